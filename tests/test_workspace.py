@@ -1,0 +1,66 @@
+"""Repository rules: the dependency direction, lint, and what each published wheel requires."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_libraries_never_import_each_other():
+    out = run(str(BIN / "lint-imports"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Contracts: 2 kept, 0 broken" in out.stdout
+
+
+def test_ruff_lint_and_format():
+    check = run(str(BIN / "ruff"), "check", ".")
+    assert check.returncode == 0, check.stdout
+    fmt = run(str(BIN / "ruff"), "format", "--check", ".")
+    assert fmt.returncode == 0, fmt.stdout
+
+
+def _requires(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode()
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    uv = shutil.which("uv") or str(BIN / "uv")
+    out_dir = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    for pkg in ("rlhf-algos", "rlhf-weightsync", "rlhf-rollout", "rlhf-learner", "rlhf-cli"):
+        # --no-sources: build as published, without workspace paths
+        proc = subprocess.run(
+            [uv, "build", "--package", pkg, "--wheel", "--no-sources", "--out-dir", str(out_dir)],
+            cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    return {re.sub(r"-\d.*", "", w.name).replace("_", "-"): w for w in out_dir.glob("*.whl")}
+
+
+@pytest.mark.parametrize("pkg", ["rlhf-algos", "rlhf-weightsync"])
+def test_torch_only_wheels_require_torch_and_nothing_else(wheels, pkg):
+    reqs = _requires(wheels[pkg])
+    assert [re.split(r"[<>=!~ ;\[]", r)[0] for r in reqs] == ["torch"], reqs
+
+
+def test_cli_wheel_pins_siblings_with_bounds(wheels):
+    reqs = _requires(wheels["rlhf-cli"])
+    for sib in ("rlhf-algos", "rlhf-rollout", "rlhf-learner", "rlhf-weightsync"):
+        (req,) = [r for r in reqs if r.startswith(sib + ">") or r.startswith(sib + "<")]
+        assert ">=" in req and "<" in req, req
