@@ -222,3 +222,17 @@ def test_pairwise_rm_loss_by_hand():
         torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), margin=torch.tensor([0.0, 1.0])
     )
     torch.testing.assert_close(out, torch.tensor([math.log1p(math.exp(-1.0)), math.log1p(math.exp(1.0))]))
+
+
+def test_value_and_kto_gradcheck(gen):
+    v = torch.randn(2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    old, ret = (
+        torch.randn(2, 4, dtype=torch.float64, generator=gen),
+        torch.randn(2, 4, dtype=torch.float64, generator=gen),
+    )
+    mask = torch.ones(2, 4)
+    assert torch.autograd.gradcheck(lambda x: value_loss(x, old, ret, mask, clip_eps=0.5).sum(), (v,))
+    lp = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
+    ref = torch.randn(4, dtype=torch.float64, generator=gen)
+    desirable = torch.tensor([True, False, True, False])
+    assert torch.autograd.gradcheck(lambda x: kto_loss(x, ref, desirable, 0.1, beta=0.5).sum(), (lp,))
