@@ -1,0 +1,118 @@
+"""LoRA via peft: wrap, save adapters, merge into the base model; QLoRA on GPU with bitsandbytes."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LoraOptions", "apply_lora", "load_qlora_base", "merge_adapter", "merged_state_dict", "save_adapter"]
+
+
+@dataclass(kw_only=True)
+class LoraOptions:
+    """Low-rank adapters (Hu et al., 2021, arXiv:2106.09685)."""
+
+    rank: int = 8
+    """Adapter rank ``r``."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is ``(alpha / r) * B A``."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: Sequence[str] | str = field(default_factory=lambda: "all-linear")
+    """Module names to adapt (peft's ``target_modules``; ``all-linear`` = every linear but the output head)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora rank: expected a positive integer, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora alpha: expected a positive number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout: expected a value in [0, 1), got {self.dropout}")
+
+
+def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
+    """A peft model whose only trainable parameters are the adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
+    config = LoraConfig(
+        r=options.rank,
+        lora_alpha=options.alpha,
+        lora_dropout=options.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def save_adapter(peft_model: nn.Module, directory: str | Path) -> Path:
+    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) only."""
+    peft_model.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """Load the base folder, apply the adapter, merge ``W + (alpha/r) B A`` into the weights and save
+    a plain Hugging Face folder (with the base's tokenizer when it has one)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for p, what in ((base_dir, "base model"), (adapter_dir, "adapter")):
+        if not Path(p).is_dir():
+            raise ValueError(f"{what} folder {str(p)!r} does not exist")
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out_dir), safe_serialization=True)
+    try:
+        AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
+    except (OSError, ValueError):
+        pass
+    return Path(out_dir)
+
+
+def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Fold LoRA weights of a full ``state`` (names as in ``peft_model.named_parameters()``) into the
+    base weights: ``W += scale * B @ A`` per adapted linear. Returns the base model's state dict
+    (peft prefixes removed, adapter tensors dropped) and the base model (for its config)."""
+    base = peft_model.get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    prefix = "base_model.model."
+    for name, t in state.items():
+        if ".lora_" in name:
+            continue
+        out[name.removeprefix(prefix).replace(".base_layer.", ".")] = t.clone()
+    for mod_name, mod in peft_model.named_modules():
+        if not hasattr(mod, "lora_A") or not hasattr(mod, "scaling"):
+            continue
+        for adapter in mod.lora_A:
+            a = state[f"{mod_name}.lora_A.{adapter}.weight"]
+            b = state[f"{mod_name}.lora_B.{adapter}.weight"]
+            key = f"{mod_name.removeprefix(prefix)}.weight"
+            out[key] = out[key] + (b.float() @ a.float()).to(out[key].dtype) * mod.scaling[adapter]
+    return out, base
+
+
+def load_qlora_base(path: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A 4-bit NF4 base model for QLoRA (Dettmers et al., 2023, arXiv:2305.14314); needs CUDA and
+    bitsandbytes. Wrap it with :func:`apply_lora` afterwards."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("QLoRA needs a CUDA device (bitsandbytes 4-bit kernels); none is present")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError("QLoRA needs the bitsandbytes package, which is not installed")
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=compute_dtype)
+    return prepare_model_for_kbit_training(model)

@@ -1,0 +1,133 @@
+"""Actor and reference models: per-token log-probs of given tokens under a causal LM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from rlhf_learner.models.loading import (
+    ModelOptions,
+    check_model_dir,
+    check_sequence_length,
+    zero3_construction,
+)
+from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+
+__all__ = ["Actor", "ActorOutput", "load_causal_lm", "load_reference"]
+
+
+class ActorOutput(NamedTuple):
+    logp: torch.Tensor
+    """``[B, T]``: ``log pi(x_t | x_<t)`` of each input token; 0 where no prediction exists
+    (column 0 and the first token of each packed sequence)."""
+    entropy: torch.Tensor | None
+    """``[B, T]`` entropy of the distribution that predicted token ``t`` (same alignment), or None."""
+    aux_loss: torch.Tensor | None
+    """The mixture-of-experts router auxiliary loss, when requested and the model has one."""
+
+
+def load_causal_lm(
+    path: str | Path, *, options: ModelOptions | None = None, ds_config: dict[str, Any] | None = None
+) -> nn.Module:
+    """Load a ``*ForCausalLM`` folder with transformers, after checking it.
+
+    Under a ZeRO-3 ``ds_config`` the model is built partitioned (see :func:`zero3_construction`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    options = options or ModelOptions()
+    cfg = check_model_dir(path)
+    if options.liger:
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM
+
+        cls: Any = AutoLigerKernelForCausalLM
+    else:
+        cls = AutoModelForCausalLM
+    with zero3_construction(ds_config, cfg.get("model_type", "")):
+        model = cls.from_pretrained(
+            str(path), dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+        )
+    if options.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+class Actor(nn.Module):
+    """A causal LM that returns per-token log-probs (and optionally entropies) of its input tokens.
+
+    Inputs are either padded rows (``attention_mask``) or packed rows (``position_ids`` restarting at
+    0 for each sequence and no ``attention_mask``; see :mod:`rlhf_learner.packing`).
+    """
+
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0) -> None:
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.model = model
+        self.temperature = temperature
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        return_entropy: bool = False,
+        return_aux_loss: bool = False,
+    ) -> ActorOutput:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
+        if position_ids is not None:
+            check_sequence_length(self.config, int(position_ids.max()) + 1, what="position_ids")
+        else:
+            check_sequence_length(self.config, input_ids.shape[1])
+        if attention_mask is not None and position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            packed = None
+        else:
+            packed = position_ids
+        kwargs: dict[str, Any] = {}
+        if return_aux_loss:
+            if not hasattr(self.config, "output_router_logits"):
+                raise ValueError("aux_loss_coef: the model is not a mixture-of-experts model (no router logits)")
+            kwargs["output_router_logits"] = True
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **kwargs,
+        )
+        logits = out.logits[:, :-1]
+        logp = shift_to_inputs(token_logprobs(logits, input_ids[:, 1:], temperature=self.temperature), packed)
+        entropy = None
+        if return_entropy:
+            entropy = shift_to_inputs(entropy_from_logits(logits, temperature=self.temperature), packed)
+        aux = getattr(out, "aux_loss", None) if return_aux_loss else None
+        return ActorOutput(logp, entropy, aux)
+
+
+def load_reference(
+    path: str | Path,
+    *,
+    options: ModelOptions | None = None,
+    ds_config: dict[str, Any] | None = None,
+    temperature: float = 1.0,
+) -> Actor:
+    """A frozen actor (eval mode, no gradients) for reference log-probs. Pass an inference ZeRO-3
+    ``ds_config`` (``build_ds_config(..., train=False)``) to shard it, then wrap it with
+    ``Strategy.prepare(..., train=False)``."""
+    model = load_causal_lm(path, options=options, ds_config=ds_config)
+    model.eval()
+    model.requires_grad_(False)
+    ref = Actor(model, temperature=temperature)
+    ref.eval()
+    return ref

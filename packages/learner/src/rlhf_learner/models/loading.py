@@ -1,0 +1,108 @@
+"""Loading transformers models for training: checks, attention backend, ZeRO-3 construction."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["ModelOptions", "check_model_dir", "check_sequence_length", "zero3_construction"]
+
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """How a transformers model is built for the learner."""
+
+    attn_implementation: AttnImplementation = "sdpa"
+    """Attention kernel: ``sdpa`` / ``eager`` (CPU or GPU) or ``flash_attention_2`` (GPU + flash-attn)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    liger: bool = False
+    """Patch the model with liger-kernel's fused Triton kernels (GPU + liger-kernel)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Weight dtype at load time."""
+
+    def __post_init__(self) -> None:
+        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+            raise ValueError(
+                f"attn_implementation: expected sdpa, eager or flash_attention_2, got {self.attn_implementation!r}"
+            )
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype: expected fp32 or bf16, got {self.dtype!r}")
+        if self.attn_implementation == "flash_attention_2":
+            if not torch.cuda.is_available():
+                raise ValueError("attn_implementation='flash_attention_2' needs a CUDA device")
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ValueError("attn_implementation='flash_attention_2' needs the flash-attn package")
+        if self.liger:
+            if not torch.cuda.is_available():
+                raise ValueError("liger: liger-kernel needs a CUDA device")
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ValueError("liger: the liger-kernel package is not installed")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+
+def check_model_dir(path: str | Path, *, need_causal_lm: bool = True) -> dict[str, Any]:
+    """Read and check ``path/config.json``; return it.
+
+    Raises ``ValueError`` when the folder or its config is missing, or (with ``need_causal_lm``) when
+    the config names no ``*ForCausalLM`` architecture.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model folder {str(p)!r} does not exist")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model folder {str(p)!r} has no config.json (not a Hugging Face model folder)")
+    config = json.loads(cfg_file.read_text())
+    archs = config.get("architectures") or []
+    if need_causal_lm and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(
+            f"model folder {str(p)!r} is not a causal LM: architectures={archs!r} has no *ForCausalLM"
+        )
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise ValueError(f"model folder {str(p)!r} has no weights (*.safetensors / *.bin)")
+    return config
+
+
+def check_sequence_length(config: Any, length: int, *, what: str = "input_ids") -> None:
+    """Raise ``ValueError`` when ``length`` exceeds the model's ``max_position_embeddings``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise ValueError(f"{what}: sequence length {length} exceeds the model's maximum of {limit} positions")
+
+
+@contextlib.contextmanager
+def zero3_construction(ds_config: dict[str, Any] | None, model_type: str) -> Iterator[None]:
+    """Context in which ``from_pretrained`` / ``from_config`` build a ZeRO-3-partitioned model.
+
+    For ZeRO-3 it registers the DeepSpeed config with transformers (``HfDeepSpeedConfig``), so that
+    transformers constructs the model under ``deepspeed.zero.Init`` and loads each shard's weights.
+    ``torch._dynamo`` and the model's transformers module are imported *before* that: imported inside
+    ``zero.Init`` they fail with a signature mismatch. For other stages it does nothing.
+    """
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        yield
+        return
+    import torch._dynamo  # noqa: F401
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    with contextlib.suppress(ImportError):
+        importlib.import_module(f"transformers.models.{model_type.replace('-', '_')}.modeling_{model_type}")
+    keep = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        del keep
+        unset_hf_deepspeed_config()

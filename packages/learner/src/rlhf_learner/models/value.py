@@ -1,0 +1,147 @@
+"""Critic and reward model: a scalar head on a transformer trunk.
+
+Both are stored as a ``*ForSequenceClassification`` folder with ``num_labels=1`` (trunk + ``score``
+head), the layout transformers and vLLM read for reward models. The reward model's optional
+normalisation (``normalize_reward``, ``reward_mean``, ``reward_std``) lives in that folder's config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_learner.models.loading import (
+    ModelOptions,
+    check_model_dir,
+    check_sequence_length,
+    zero3_construction,
+)
+
+__all__ = ["Critic", "RewardModel", "last_token_index", "load_critic", "load_reward_model"]
+
+
+def last_token_index(
+    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Flat indices into ``[B * T]`` of the last real token of each sequence.
+
+    Padded rows (``attention_mask``, left or right padding): one index per row, the last 1.
+    Packed rows (``position_ids``): one index per sequence, the position before each restart at 0, in
+    row-major order (a packed row's tail padding counts as a sequence; callers drop it).
+    """
+    if attention_mask is not None:
+        b, t = attention_mask.shape
+        idx = torch.arange(t, device=attention_mask.device).expand(b, t)
+        last = torch.where(attention_mask.bool(), idx, -1).max(-1).values
+        if (last < 0).any():
+            raise ValueError("attention_mask: a row has no real token")
+        return last + torch.arange(b, device=last.device) * t
+    if position_ids is None:
+        raise ValueError("need attention_mask or position_ids")
+    b, t = position_ids.shape
+    starts = position_ids == 0
+    ends = torch.zeros_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    ends[:, -1] = True
+    return ends.flatten().nonzero().squeeze(-1)
+
+
+class Critic(nn.Module):
+    """Per-token values ``V(x_<=t)``: the scalar head applied to every hidden state."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        if not hasattr(model, "score"):
+            raise ValueError(f"{type(model).__name__} has no 'score' head; expected a *ForSequenceClassification")
+        self.model = model
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def values(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if position_ids is not None:
+            check_sequence_length(self.config, int(position_ids.max()) + 1, what="position_ids")
+        else:
+            check_sequence_length(self.config, input_ids.shape[1])
+        if attention_mask is not None and position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        trunk = self.model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return self.model.score(trunk.last_hidden_state).squeeze(-1).float()
+
+    def forward(self, input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """``[B, T]`` values."""
+        return self.values(input_ids, **kw)
+
+
+class RewardModel(Critic):
+    """One scalar per sequence: the head read at the sequence's last real token, optionally
+    normalised with the ``reward_mean`` / ``reward_std`` stored in the config."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        normalize: bool | None = None,
+    ) -> torch.Tensor:
+        v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        scores = v.flatten()[last_token_index(attention_mask, None if attention_mask is not None else position_ids)]
+        if normalize if normalize is not None else getattr(self.config, "normalize_reward", False):
+            scores = (scores - self.config.reward_mean) / self.config.reward_std
+        return scores
+
+    def set_normalization(self, *, mean: float, std: float) -> None:
+        """Store reward statistics in the config (saved with the model) and switch normalisation on."""
+        if std <= 0:
+            raise ValueError(f"reward std must be positive, got {std}")
+        self.config.normalize_reward = True
+        self.config.reward_mean = float(mean)
+        self.config.reward_std = float(std)
+
+
+def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config: dict[str, Any] | None):
+    from transformers import AutoModelForSequenceClassification
+
+    options = options or ModelOptions()
+    cfg = check_model_dir(path, need_causal_lm=False)
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith(("ForCausalLM", "ForSequenceClassification")) for a in archs):
+        raise ValueError(
+            f"model folder {str(path)!r}: architectures={archs!r}; expected a causal LM or a reward model"
+        )
+    with zero3_construction(ds_config, cfg.get("model_type", "")):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(path), num_labels=1, dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+        )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = cfg.get("eos_token_id")
+    if options.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_critic(
+    path: str | Path, *, options: ModelOptions | None = None, ds_config: dict[str, Any] | None = None
+) -> Critic:
+    """A critic from a causal LM (fresh head) or a reward-model folder (its trained head)."""
+    return Critic(_load_scalar_model(path, options, ds_config))
+
+
+def load_reward_model(
+    path: str | Path, *, options: ModelOptions | None = None, ds_config: dict[str, Any] | None = None
+) -> RewardModel:
+    """A reward model from a causal LM (fresh head, for RM training) or a reward-model folder."""
+    return RewardModel(_load_scalar_model(path, options, ds_config))

@@ -1,0 +1,28 @@
+"""Update steps: PPO actor and critic, SFT, reward model, DPO, KTO.
+
+Each step takes its loss function as an argument (the learner does not import rlhf-algos) and
+normalises the loss over the whole gradient-accumulation window and all data-parallel ranks.
+"""
+
+from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+from rlhf_learner.steps.ppo import AggregateFn, critic_step, masked_counts, ppo_actor_step
+from rlhf_learner.steps.reference import reference_logp, reference_sequence_logp
+from rlhf_learner.steps.supervised import dpo_step, kto_step, reward_model_step, sequence_logp, sft_step
+
+__all__ = [
+    "AggregateFn",
+    "StepResult",
+    "WindowCounts",
+    "critic_step",
+    "dpo_step",
+    "kto_step",
+    "loss_tensor",
+    "masked_counts",
+    "ppo_actor_step",
+    "reference_logp",
+    "reference_sequence_logp",
+    "reward_model_step",
+    "run_window",
+    "sequence_logp",
+    "sft_step",
+]

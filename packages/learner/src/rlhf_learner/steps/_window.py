@@ -1,0 +1,110 @@
+"""One optimizer step over a gradient-accumulation window, with global loss normalisation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StepResult", "WindowCounts", "loss_tensor", "run_window"]
+
+Batch = Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowCounts:
+    """What a loss is normalised by: counts over the whole step (all micro-batches, all DP ranks)."""
+
+    global_tokens: float
+    """Masked tokens in the step."""
+    global_seqs: float
+    """Sequences (rows, pairs or examples, as the step defines them) in the step."""
+    dp_size: int
+    """Data-parallel ranks whose gradients are averaged."""
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one update step reports (plain floats, global over the step)."""
+
+    loss: float
+    """The loss of the whole step (sum of micro-batch losses over ranks, divided by dp_size)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping, when DeepSpeed reports it."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Step-specific means over the step (e.g. clip fraction, KL, accuracy)."""
+
+
+def loss_tensor(out: Any) -> torch.Tensor:
+    """A loss function's result as a tensor: the tensor itself or its ``.loss`` field (a NamedTuple
+    such as rlhf-algos' ``PolicyLossOutput`` / ``DPOLossOutput``)."""
+    return out.loss if hasattr(out, "loss") and not isinstance(out, torch.Tensor) else out
+
+
+def _dp_group(engine: Any) -> Any:
+    group = getattr(engine, "data_parallel_group", None)
+    return group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+
+
+def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def run_window(
+    engine: Any,
+    micro_batches: Sequence[Batch],
+    *,
+    count: Callable[[Batch], tuple[float, float]],
+    compute: Callable[[Batch, WindowCounts], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    token_metrics: tuple[str, ...] = (),
+) -> StepResult:
+    """Run forward/backward on each micro-batch and one optimizer step.
+
+    ``count(mb) -> (tokens, seqs)`` is summed over the window and all-reduced over the DP group
+    once; ``compute(mb, counts) -> (loss, metrics)`` must return a loss already normalised by those
+    global counts (so summing micro-batch gradients and averaging over ranks gives the gradient of the
+    whole step's loss). DeepSpeed's own ``1/gradient_accumulation_steps`` scaling is therefore off.
+    ``metrics`` values are per-micro-batch sums (tensors) that are summed over the window and ranks and
+    divided by the global token count (names in ``token_metrics``) or sequence count (the others).
+    """
+    gas = engine.gradient_accumulation_steps()
+    if len(micro_batches) != gas:
+        raise ValueError(
+            f"micro_batches: got {len(micro_batches)}, the engine steps every {gas} (grad_accum_steps)"
+        )
+    group = _dp_group(engine)
+    dp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    device = engine.device
+    tokens, seqs = 0.0, 0.0
+    for mb in micro_batches:
+        t, s = count(mb)
+        tokens, seqs = tokens + float(t), seqs + float(s)
+    g_tokens, g_seqs = _all_reduce_sum([tokens, seqs], group, device)
+    counts = WindowCounts(global_tokens=g_tokens, global_seqs=g_seqs, dp_size=dp_size)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    for mb in micro_batches:
+        loss, metrics = compute(mb, counts)
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+        total += loss.detach().double()
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v.detach().double().sum()
+    keys = sorted(sums)
+    reduced = _all_reduce_sum([float(total)] + [float(sums[k]) for k in keys], group, device)
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    norm = float(norm) if norm is not None else None
+    return StepResult(
+        loss=reduced[0] / dp_size,
+        grad_norm=norm,
+        metrics={
+            k: v / max(g_tokens if k in token_metrics else g_seqs, 1.0)
+            for k, v in zip(keys, reduced[1:], strict=True)
+        },
+    )

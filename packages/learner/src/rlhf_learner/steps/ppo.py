@@ -1,0 +1,138 @@
+"""PPO actor and critic update steps. Loss math comes in as functions (e.g. from rlhf-algos)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+
+__all__ = ["AggregateFn", "critic_step", "masked_counts", "ppo_actor_step"]
+
+AggregateFn = Callable[..., torch.Tensor]
+"""``aggregate_fn(per_token_loss, mask, *, global_tokens, global_seqs, dp_size) -> scalar``, e.g.
+``functools.partial(rlhf_algos.aggregate_loss, mode="token-mean")``."""
+
+
+def masked_counts(mask_key: str) -> Callable[[Mapping[str, Any]], tuple[float, float]]:
+    """``count`` for :func:`run_window`: masked tokens and sequences with at least one masked token."""
+
+    def count(mb: Mapping[str, Any]) -> tuple[float, float]:
+        m = mb[mask_key].bool()
+        return float(m.sum()), float(m.any(-1).sum())
+
+    return count
+
+
+def _model_inputs(mb: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"attention_mask": mb.get("attention_mask"), "position_ids": mb.get("position_ids")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def ppo_actor_step(
+    engine: Any,
+    micro_batches: Sequence[Mapping[str, Any]],
+    *,
+    policy_loss_fn: Callable[..., Any],
+    aggregate_fn: AggregateFn,
+    kl_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+    is_weights_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    aux_loss_coef: float = 0.0,
+) -> StepResult:
+    """One PPO policy update over a gradient-accumulation window.
+
+    ``engine`` wraps an :class:`~rlhf_learner.models.Actor`. Each micro-batch holds ``input_ids``,
+    ``attention_mask`` or packed ``position_ids``, ``action_mask`` (tokens trained on), ``old_logp``,
+    ``advantages``; plus ``ref_logp`` with ``kl_loss_fn`` and ``rollout_logp`` with ``is_weights_fn``.
+    All per-token tensors are ``[B, T]`` aligned with ``input_ids`` (see ``Actor``).
+
+    Per token: ``policy_loss_fn(logp, old_logp, advantages, mask, **kw)`` (a tensor or a result with
+    ``.loss``; ``kw`` has ``is_weights`` = ``is_weights_fn(old_logp, rollout_logp, mask)`` when set
+    and ``entropy`` / ``entropy_coef`` when ``entropy_coef != 0``) ``+ kl_coef * kl_loss_fn(logp,
+    ref_logp)``; reduced by ``aggregate_fn`` with the window's global counts. MoE models add
+    ``aux_loss_coef * router_aux_loss`` (averaged over the window).
+    """
+    if kl_coef and kl_loss_fn is None:
+        raise ValueError("kl_coef: set, but no kl_loss_fn was given")
+    gas = len(micro_batches)
+
+    def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = mb["action_mask"]
+        out = engine(
+            mb["input_ids"],
+            **_model_inputs(mb),
+            return_entropy=entropy_coef != 0.0,
+            return_aux_loss=aux_loss_coef != 0.0,
+        )
+        kw: dict[str, Any] = {}
+        if is_weights_fn is not None:
+            kw["is_weights"] = is_weights_fn(mb["old_logp"], mb["rollout_logp"], mask)
+        if entropy_coef:
+            kw["entropy"] = out.entropy
+            kw["entropy_coef"] = entropy_coef
+        res = policy_loss_fn(out.logp, mb["old_logp"], mb["advantages"], mask, **kw)
+        per_token = loss_tensor(res)
+        mf = mask.to(per_token.dtype)
+        metrics = {"policy_loss": (per_token * mf).sum()}
+        if getattr(res, "clipped", None) is not None:
+            metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
+        if kl_loss_fn is not None:
+            kl = kl_loss_fn(out.logp, mb["ref_logp"]) * mf
+            metrics["kl"] = kl.sum()
+            if kl_coef:
+                per_token = per_token + kl_coef * kl
+        if out.entropy is not None:
+            metrics["entropy"] = (out.entropy * mf).sum()
+        loss = aggregate_fn(
+            per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
+        )
+        if aux_loss_coef:
+            if out.aux_loss is None:
+                raise ValueError("aux_loss_coef: the model returned no router auxiliary loss")
+            loss = loss + aux_loss_coef * out.aux_loss / gas
+        return loss, metrics
+
+    return run_window(
+        engine,
+        micro_batches,
+        count=masked_counts("action_mask"),
+        compute=compute,
+        token_metrics=("policy_loss", "clip_frac", "kl", "entropy"),
+    )
+
+
+def critic_step(
+    engine: Any,
+    micro_batches: Sequence[Mapping[str, Any]],
+    *,
+    value_loss_fn: Callable[..., torch.Tensor],
+    aggregate_fn: AggregateFn,
+) -> StepResult:
+    """One critic update. ``engine`` wraps a :class:`~rlhf_learner.models.Critic`; micro-batches hold
+    ``input_ids``, ``attention_mask`` / ``position_ids``, ``action_mask``, ``old_values``, ``returns``.
+    Per token: ``value_loss_fn(values, old_values, returns, mask)``, reduced by ``aggregate_fn``.
+
+    ``values[:, t]`` is the critic's value at token ``t``; callers align ``returns`` to the same
+    positions they used for the advantages."""
+
+    def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = mb["action_mask"]
+        values = engine(mb["input_ids"], **_model_inputs(mb))
+        per_token = value_loss_fn(values, mb["old_values"], mb["returns"], mask)
+        mf = mask.to(per_token.dtype)
+        loss = aggregate_fn(
+            per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
+        )
+        return loss, {"value_loss": (per_token * mf).sum(), "values": (values.detach() * mf).sum()}
+
+    return run_window(
+        engine,
+        micro_batches,
+        count=masked_counts("action_mask"),
+        compute=compute,
+        token_metrics=("value_loss", "values"),
+    )

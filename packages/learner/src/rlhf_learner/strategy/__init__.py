@@ -1,0 +1,18 @@
+"""DeepSpeed strategy: typed options, config builder, distributed init, gather, checkpoints, export."""
+
+from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed
+from rlhf_learner.strategy.options import OptimizerName, Precision, StrategyOptions, build_ds_config
+from rlhf_learner.strategy.strategy import Strategy, gather_params, set_seed
+
+__all__ = [
+    "OptimizerName",
+    "Precision",
+    "Strategy",
+    "StrategyOptions",
+    "build_ds_config",
+    "default_backend",
+    "free_port",
+    "gather_params",
+    "init_distributed",
+    "set_seed",
+]

@@ -1,0 +1,83 @@
+"""Distributed setup, in one function: gloo on CPU, NCCL on GPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["default_backend", "free_port", "init_distributed"]
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is present, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[int, int]:
+    """Join the default process group through DeepSpeed and return ``(rank, world_size)``.
+
+    Arguments override ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``; with none of them
+    set, a single process joins a group of one on 127.0.0.1 and a free port. On CPU the backend is gloo
+    and DeepSpeed's shared-memory communication op is switched off first (otherwise DeepSpeed
+    JIT-compiles it for minutes and needs a compiler). Every collective gets ``timeout_s``, so a dead
+    peer raises instead of hanging. Calling it again in an initialised process is a no-op.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": rank if os.environ.get("LOCAL_RANK") is None else None,
+        "WORLD_SIZE": world_size,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
+    }
+    for key, value in env.items():
+        if value is not None:
+            os.environ[key] = str(value)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise ValueError("master_port: needed (or MASTER_PORT) when world_size > 1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+
+    import deepspeed
+    import deepspeed.ops
+
+    if backend == "gloo":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        verbose=False,
+        timeout=timedelta(seconds=timeout_s),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    return dist.get_rank(), dist.get_world_size()

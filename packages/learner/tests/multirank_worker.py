@@ -1,0 +1,195 @@
+"""One rank of the learner's distributed checks (run by test_distributed.py as 1 or 2 processes).
+
+Scenarios, in one process so DeepSpeed and transformers are imported once:
+- ``train``: PPO actor steps with ZeRO-0 (world 1) or ZeRO-2 and ZeRO-3 (world 2) on the same global
+  batch; losses and final full weights are written for comparison.
+- ZeRO-3 extras (world 2): gather, checkpoint save / load / continue, HF export.
+- ring attention (world 2): attention function and a whole model against single-rank references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from rlhf_algos import aggregate_loss, policy_loss
+from rlhf_learner.models import Actor, load_causal_lm
+from rlhf_learner.steps import ppo_actor_step, reference_logp
+from rlhf_learner.strategy import Strategy, StrategyOptions
+
+LENGTHS = [12, 20, 9, 16, 24, 7, 18, 11]
+GAS = 2
+STEPS = 3
+
+
+def global_rows(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in LENGTHS:
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[4:] = True
+        rows.append({
+            "input_ids": torch.randint(3, 400, (n,), generator=g),
+            "action_mask": mask,
+            "advantages": torch.randn(n, generator=g),
+        })
+    return rows
+
+
+def pad_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    width = max(r["input_ids"].shape[0] for r in rows)
+    out: dict[str, torch.Tensor] = {}
+    for key in rows[0]:
+        out[key] = torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0])) for r in rows])
+    out["attention_mask"] = torch.stack(
+        [torch.nn.functional.pad(torch.ones(r["input_ids"].shape[0], dtype=torch.long), (0, width - r["input_ids"].shape[0])) for r in rows]
+    )
+    return out
+
+
+def micro_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    rows = global_rows()
+    per_micro = len(rows) // GAS
+    share = per_micro // world
+    return [pad_rows(rows[g * per_micro + rank * share : g * per_micro + (rank + 1) * share]) for g in range(GAS)]
+
+
+def with_old_logp(engine, mbs):
+    """PPO epochs over one rollout: old log-probs from the weights before the first update."""
+    for mb in mbs:
+        mb["old_logp"] = reference_logp(engine, mb)
+    return mbs
+
+
+def ppo_step(engine, mbs):
+    return ppo_actor_step(
+        engine,
+        mbs,
+        policy_loss_fn=policy_loss,
+        aggregate_fn=functools.partial(aggregate_loss, mode="token-mean"),
+    )
+
+
+def build(strategy: Strategy, model_dir: str):
+    return strategy.prepare(Actor(load_causal_lm(model_dir, ds_config=strategy.ds_config())))
+
+
+def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: bool) -> dict:
+    strategy = Strategy(StrategyOptions(zero_stage=stage, lr=1e-3, grad_accum_steps=GAS, micro_batch_size=4 // world))
+    strategy.setup_distributed()
+    engine = build(strategy, model_dir)
+    res: dict = {"losses": [], "grad_norms": []}
+    mbs = with_old_logp(engine, micro_batches(rank, world))
+    for step in range(STEPS):
+        if extras and step == 2:
+            strategy.save_checkpoint(engine, out / "ckpt", tag="step2", client_state={"step": 2, "data_position": 16})
+            res["rand_after_save"] = torch.rand(3).tolist()
+        r = ppo_step(engine, mbs)
+        res["losses"].append(r.loss)
+        res["grad_norms"].append(r.grad_norm)
+    state = strategy.full_state_dict(engine.module.model)
+    if rank == 0:
+        torch.save(state, out / f"weights_z{stage}_w{world}.pt")
+    if extras:
+        p = next(engine.module.parameters())
+        res["partitioned_numel"] = p.numel()
+        with strategy.gather([p]):
+            res["gathered_shape"] = list(p.shape)
+        res["ds_shape"] = list(p.ds_shape)
+        from transformers import AutoTokenizer
+
+        strategy.export_hf(engine.module, out / "export", tokenizer=AutoTokenizer.from_pretrained(model_dir))
+        # Resume from the step-2 checkpoint in a fresh engine and redo step 3.
+        torch.manual_seed(1234)
+        engine2 = build(strategy, model_dir)
+        caller = strategy.load_checkpoint(engine2, out / "ckpt")
+        res["caller_state"] = caller
+        res["rand_after_load"] = torch.rand(3).tolist()
+        r = ppo_step(engine2, mbs)
+        res["resumed_loss"] = r.loss
+        state2 = strategy.full_state_dict(engine2.module.model)
+        res["resumed_max_diff"] = max((state2[k] - state[k]).abs().max().item() for k in state)
+    return res
+
+
+def ring_checks(model_dir: str, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_learner.ring_attention import gather_sequence, ring_attention, split_sequence, use_ring_attention
+
+    res: dict = {}
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
+    dout = torch.randn(2, 3, 16, 8, generator=g)
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+    ref.backward(dout)
+    ql, kl, vl = (split_sequence(t, dim=2).clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(ql, kl, vl)
+    out.backward(split_sequence(dout, dim=2))
+    res["attn_out"] = (out - split_sequence(ref, dim=2)).abs().max().item()
+    res["attn_dq"] = (ql.grad - split_sequence(qf.grad, dim=2)).abs().max().item()
+    res["attn_dk"] = (kl.grad - split_sequence(kf.grad, dim=2)).abs().max().item()
+    res["attn_dv"] = (vl.grad - split_sequence(vf.grad, dim=2)).abs().max().item()
+    full_out = gather_sequence(out.detach(), dim=2)
+    res["attn_gathered"] = (full_out - ref.detach()).abs().max().item()
+
+    # A whole model: chunked with ring attention vs. the full sequence on one rank.
+    ids = torch.randint(3, 400, (2, 32), generator=g)
+    labels = ids[:, 1:]
+    single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    logits = single(ids).logits[:, :-1]
+    logp_ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    logp_ref.sum().backward()
+    ring = AutoModelForCausalLM.from_pretrained(model_dir)
+    use_ring_attention(ring)
+    pos = torch.arange(32).expand(2, 32)
+    local_logits = ring(split_sequence(ids), position_ids=split_sequence(pos)).logits
+    # Next-token labels, shifted globally; the very last position predicts nothing.
+    next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    valid = torch.ones(2, 32, dtype=torch.bool)
+    valid[:, -1] = False
+    lp = torch.log_softmax(local_logits, -1).gather(-1, split_sequence(next_ids)[..., None]).squeeze(-1)
+    lp = lp * split_sequence(valid)
+    lp.sum().backward()
+    full_lp = gather_sequence(lp.detach())[:, :-1]
+    res["model_logp"] = (full_lp - logp_ref.detach()).abs().max().item()
+    worst = 0.0
+    for (_, a), (_, b) in zip(ring.named_parameters(), single.named_parameters(), strict=True):
+        grad = a.grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, (grad - b.grad).abs().max().item())
+    res["model_grad"] = worst
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from rlhf_learner.strategy import init_distributed
+
+    init_distributed(rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.port, timeout_s=120)
+    out = Path(args.out)
+    results: dict = {}
+    if args.world == 1:
+        results["z0"] = train(0, args.model, args.rank, args.world, out, extras=False)
+    else:
+        results["ring"] = ring_checks(args.model, args.rank, args.world)
+        results["z2"] = train(2, args.model, args.rank, args.world, out, extras=False)
+        results["z3"] = train(3, args.model, args.rank, args.world, out, extras=True)
+    (out / f"results_w{args.world}_r{args.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
