@@ -97,6 +97,8 @@ class RewardModel(Critic):
         position_ids: torch.Tensor | None = None,
         normalize: bool | None = None,
     ) -> torch.Tensor:
+        if attention_mask is None and position_ids is None:
+            attention_mask = torch.ones_like(input_ids)
         v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         scores = v.flatten()[last_token_index(attention_mask, None if attention_mask is not None else position_ids)]
         if normalize if normalize is not None else getattr(self.config, "normalize_reward", False):

@@ -1,0 +1,135 @@
+"""Model wrappers: log-prob / entropy math, actor, critic, reward model, reference; bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_learner.models import (
+    Actor,
+    ModelOptions,
+    entropy_from_logits,
+    last_token_index,
+    load_causal_lm,
+    load_critic,
+    load_reference,
+    load_reward_model,
+    token_logprobs,
+)
+
+
+def test_token_logprobs_and_entropy_match_a_reference_loop():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    t = 0.7
+    lp = token_logprobs(logits, labels, temperature=t)
+    ent = entropy_from_logits(logits, temperature=t)
+    for b in range(2):
+        for i in range(5):
+            p = torch.softmax(logits[b, i] / t, -1)
+            assert lp[b, i].item() == pytest.approx(torch.log(p[labels[b, i]]).item(), abs=1e-5)
+            assert ent[b, i].item() == pytest.approx(-(p * torch.log(p)).sum().item(), abs=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, labels, temperature=0.0)
+
+
+def test_actor_logp_of_padded_rows_equals_each_sequence_alone(tiny_model_dir):
+    actor = Actor(load_causal_lm(tiny_model_dir), temperature=0.9)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(3, 400, (7,), generator=g), torch.randint(3, 400, (4,), generator=g)
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 3:], mask[1, 3:] = b, 1  # left padding
+    out = actor(ids, attention_mask=mask, return_entropy=True)
+    with torch.no_grad():
+        logits = actor.model(b[None]).logits[0, :-1]
+    expect = torch.log_softmax(logits / 0.9, -1).gather(-1, b[1:, None]).squeeze(-1)
+    torch.testing.assert_close(out.logp[1, 4:], expect, atol=1e-5, rtol=0)
+    assert out.logp[:, 0].abs().sum() == 0
+    assert out.entropy.shape == ids.shape and (out.entropy[:, 1:] > 0).all()
+
+
+def test_sequence_longer_than_model_max_is_rejected(tiny_model_dir):
+    actor = Actor(load_causal_lm(tiny_model_dir))
+    limit = actor.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"exceeds the model's maximum of {limit}"):
+        actor(torch.zeros(1, limit + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="position_ids"):
+        actor(torch.zeros(1, 4, dtype=torch.long), position_ids=torch.tensor([[0, 1, limit, 0]]))
+
+
+def test_missing_and_non_causal_model_folders_are_rejected(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_causal_lm(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_causal_lm(tmp_path / "empty")
+    enc = tmp_path / "encoder"
+    shutil.copytree(tiny_model_dir, enc)
+    cfg = json.loads((enc / "config.json").read_text())
+    cfg["architectures"] = ["BertModel"]
+    (enc / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not a causal LM"):
+        load_causal_lm(enc)
+    with pytest.raises(ValueError, match="expected a causal LM or a reward model"):
+        load_critic(enc)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
+def test_gpu_switches_without_cuda_raise_clear_errors():
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        ModelOptions(attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="liger"):
+        ModelOptions(liger=True)
+
+
+def test_reference_is_frozen(tiny_model_dir):
+    ref = load_reference(tiny_model_dir)
+    assert not ref.training and not ref.model.training
+    assert all(not p.requires_grad for p in ref.parameters())
+
+
+def test_critic_values_and_reward_at_last_real_token(tiny_model_dir, tmp_path):
+    critic = load_critic(tiny_model_dir)
+    ids = torch.randint(3, 400, (1, 6))
+    v = critic(ids)
+    assert v.shape == (1, 6)
+    # The trunk is the causal LM's: same hidden states.
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        h = lm.model(ids).last_hidden_state
+        torch.testing.assert_close(v, critic.model.score(h).squeeze(-1), atol=1e-5, rtol=0)
+
+    rm = load_reward_model(tiny_model_dir)
+    right = torch.zeros(2, 8, dtype=torch.long)
+    right_mask = torch.zeros(2, 8, dtype=torch.long)
+    right[0, :6], right_mask[0, :6] = ids[0], 1
+    right[1, :3], right_mask[1, :3] = ids[0, :3], 1
+    left = torch.zeros(1, 8, dtype=torch.long)
+    left_mask = torch.zeros(1, 8, dtype=torch.long)
+    left[0, 2:], left_mask[0, 2:] = ids[0], 1
+    with torch.no_grad():
+        r_right = rm(right, attention_mask=right_mask)
+        r_left = rm(left, attention_mask=left_mask)
+        r_alone = rm(ids)
+    torch.testing.assert_close(r_right[0], r_alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(r_left[0], r_alone[0], atol=1e-5, rtol=0)
+    assert last_token_index(right_mask).tolist() == [5, 8 + 2]
+
+    rm.set_normalization(mean=0.5, std=2.0)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(ids), (r_alone - 0.5) / 2.0)
+        torch.testing.assert_close(rm(ids, normalize=False), r_alone)
+    rm.model.save_pretrained(tmp_path / "rm")
+    again = load_reward_model(tmp_path / "rm")
+    assert again.config.normalize_reward and again.config.reward_std == 2.0
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), (r_alone - 0.5) / 2.0, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="std"):
+        rm.set_normalization(mean=0.0, std=0.0)

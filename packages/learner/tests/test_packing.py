@@ -1,0 +1,74 @@
+"""Packed rows equal unpacked sequences (log-probs and gradients); row planning; balancing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_learner.models import Actor, load_causal_lm
+from rlhf_learner.packing import balance_micro_batches, pack_sequences, plan_rows, unpack
+
+
+def _seqs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 400, (n,), generator=g), "w": torch.randn(n, generator=g)} for n in lengths]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn):
+    from rlhf_learner.models import ModelOptions
+
+    actor = Actor(load_causal_lm(tiny_model_dir, options=ModelOptions(attn_implementation=attn)))
+    seqs = _seqs([9, 3, 14, 6, 1, 11])
+    packed = pack_sequences(seqs, max_tokens_per_row=20, pad_to_multiple=4)
+    rows = packed.tensors
+    assert rows["input_ids"].shape[0] < len(seqs)  # really packed: several sequences share a row
+    out = actor(rows["input_ids"], position_ids=rows["position_ids"], return_entropy=True)
+    loss = sum((lp[1:] * s["w"][1:]).sum() for lp, s in zip(unpack(out.logp, packed.placement), seqs, strict=True))
+    actor.zero_grad()
+    loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in actor.named_parameters()}
+
+    actor.zero_grad()
+    ref_loss = 0.0
+    for i, s in enumerate(seqs):
+        o = actor(s["input_ids"][None], return_entropy=True)
+        got = unpack(out.logp, packed.placement)[i]
+        torch.testing.assert_close(got, o.logp[0].detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(unpack(out.entropy, packed.placement)[i], o.entropy[0].detach(), atol=2e-5, rtol=0)
+        ref_loss = ref_loss + (o.logp[0, 1:] * s["w"][1:]).sum()
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-4)
+    for n, p in actor.named_parameters():
+        torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_pack_layout_and_unpack_roundtrip():
+    seqs = _seqs([5, 2, 7])
+    packed = pack_sequences(seqs, max_tokens_per_row=8, pad_values={"input_ids": 0})
+    t = packed.tensors
+    assert t["input_ids"].shape == (2, 7)  # rows [7] and [5, 2]: width of the fullest row
+    for s, got in zip(seqs, unpack(t["input_ids"], packed.placement), strict=True):
+        assert torch.equal(s["input_ids"], got)
+    for s, got in zip(seqs, unpack(t["w"], packed.placement), strict=True):
+        assert torch.equal(s["w"], got)
+    for r, start, n in packed.placement:
+        assert t["position_ids"][r, start : start + n].tolist() == list(range(n))
+
+
+def test_plan_rows_rejects_sequences_longer_than_a_row():
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens"):
+        plan_rows([3, 9], max_tokens_per_row=8)
+    assert sorted(i for row in plan_rows([3, 5, 8, 1], max_tokens_per_row=8) for i in row) == [0, 1, 2, 3]
+
+
+def test_balanced_micro_batches_are_token_balanced():
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(16, 513, (64,), generator=g).tolist()
+    groups = balance_micro_batches(lengths, 4)
+    assert sorted(i for grp in groups for i in grp) == list(range(64))
+    loads = [sum(lengths[i] for i in grp) for grp in groups]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert max(loads) <= sum(lengths) / 4 + max(lengths)
+    with pytest.raises(ValueError, match="cannot fill"):
+        balance_micro_batches([5], 2)
