@@ -1,0 +1,167 @@
+"""The private control plane: a TCPStore hosted by the sender (rank 0), plus a join handshake.
+
+Nothing here touches ``torch.distributed``'s default group. Every wait has a timeout, and a timeout
+names the ranks that did not answer and, for peers on this host, whether their process still exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from rlhf_weightsync.errors import PeerTimeoutError, WeightSyncError
+
+__all__ = ["Rendezvous"]
+
+_PREFIX = "rlhf_weightsync"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class Rendezvous:
+    """Connects rank ``rank`` of ``world_size`` through a TCPStore at ``master_addr:master_port``.
+
+    Rank 0 (the sender) hosts the store and waits until every receiver has joined; receivers wait
+    for the sender. ``info`` is published to the peers (the sender's includes the transport name and
+    bucket size, which receivers check and adopt).
+    """
+
+    def __init__(
+        self,
+        *,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        info: dict,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(
+                f"world_size: expected an int >= 2 (one sender and receivers), got {world_size!r}"
+            )
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(master_port, int) or not 0 < master_port < 65536:
+            raise ValueError(f"master_port: expected a TCP port number, got {master_port!r}")
+        self.master_addr, self.master_port = master_addr, master_port
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        try:
+            raw = dist.TCPStore(
+                master_addr,
+                master_port,
+                None,
+                rank == 0,
+                timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except Exception as exc:
+            verb = "serve" if rank == 0 else "reach"
+            raise WeightSyncError(
+                f"rank {rank}: cannot {verb} the weight-sync store at {master_addr}:{master_port}: {exc}"
+            ) from exc
+        self._raw = raw
+        self.store = dist.PrefixStore(_PREFIX, raw)
+        self.info = {**info, "pid": os.getpid(), "host": socket.gethostname()}
+        self.peers: dict[int, dict] = {}
+        self.set(f"join/{rank}", json.dumps(self.info).encode())
+        if rank == 0:
+            self.wait_ranks("join", self.receivers, what="join the sync group")
+            for r in self.receivers:
+                self.peers[r] = json.loads(self.get(f"join/{r}"))
+        else:
+            self.wait([("join/0", 0)], what="the sender to join the sync group")
+            self.peers[0] = json.loads(self.get("join/0"))
+        self._check_transports()
+
+    @property
+    def receivers(self) -> range:
+        return range(1, self.world_size)
+
+    @property
+    def sender_info(self) -> dict:
+        return self.info if self.rank == 0 else self.peers[0]
+
+    def _check_transports(self) -> None:
+        mine = self.info.get("transport")
+        for r, peer in self.peers.items():
+            if peer.get("transport") != mine:
+                raise ValueError(
+                    f"transport: rank {self.rank} uses {mine!r} but rank {r} uses {peer.get('transport')!r}"
+                )
+
+    # -- store helpers -------------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes = b"") -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except Exception:  # the store is going away; stale keys die with it
+                return
+
+    def wait(self, keys: list[tuple[str, int]], *, what: str, timeout_s: float | None = None) -> None:
+        """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([k for k, _ in keys], timedelta(seconds=timeout))
+        except Exception as exc:
+            try:
+                missing = sorted({r for k, r in keys if not self.store.check([k])})
+            except Exception:
+                raise WeightSyncError(
+                    f"rank {self.rank}: lost the weight-sync store while waiting for {what}: {exc}"
+                ) from exc
+            if not missing:  # the keys appeared just as the wait gave up
+                return
+            raise PeerTimeoutError(
+                f"rank {self.rank}: waited {timeout:.1f} s for {what}; no answer from "
+                f"{self.describe(missing)}"
+            ) from exc
+
+    def wait_ranks(
+        self, prefix: str, ranks: Iterable[int], *, what: str, timeout_s: float | None = None
+    ) -> None:
+        self.wait([(f"{prefix}/{r}", r) for r in ranks], what=what, timeout_s=timeout_s)
+
+    def describe(self, ranks: Iterable[int]) -> str:
+        """``"rank 2 (pid 123 on this host, no longer running)"`` and the like."""
+        return ", ".join(self._describe(r) for r in ranks)
+
+    def _describe(self, rank: int) -> str:
+        peer = self.peers.get(rank)
+        if peer is None:
+            return f"rank {rank} (never joined)"
+        where = f"pid {peer['pid']} on {peer['host']}"
+        if peer["host"] != socket.gethostname():
+            return f"rank {rank} ({where})"
+        return f"rank {rank} ({where}, {'still running' if _alive(peer['pid']) else 'no longer running'})"
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]
+        self._raw = None

@@ -1,0 +1,214 @@
+"""The receiving side: unpack buckets, verify checksums, hand ``(name, tensor)`` pairs to a load callback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from rlhf_weightsync._rendezvous import Rendezvous
+from rlhf_weightsync.checksum import word_sum
+from rlhf_weightsync.errors import ChecksumError, WeightSyncError
+from rlhf_weightsync.layout import Manifest
+from rlhf_weightsync.stats import SyncStats
+from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
+
+__all__ = ["LoadFn", "WeightReceiver"]
+
+LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+"""Called once per sync with an iterator over ``(name, tensor)``; must consume it to the end."""
+
+
+class WeightReceiver:
+    """Rank ``rank`` (>= 1) of a sync group: receives what the sender (rank 0) ships.
+
+    Construction is collective (see :class:`~rlhf_weightsync.sender.WeightSender`); the transport
+    name must match the sender's, and the bucket size is the sender's. ``timeout_s`` bounds every
+    wait inside a sync; :meth:`receive` takes its own timeout for the wait until a sync starts.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: TransportName,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: unknown {transport!r}; expected one of {TRANSPORTS}")
+        if rank == 0:
+            raise ValueError("rank: 0 is the sender's rank; receivers use 1 .. world_size - 1")
+        self._rdv = Rendezvous(
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            info={"transport": transport},
+        )
+        bucket_bytes = self._rdv.sender_info["bucket_bytes"]
+        self._transport = open_transport(transport, self._rdv, bucket_bytes=bucket_bytes, device=device)
+        self._sync = 0
+        self._closed = False
+        self._broken: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._rdv.rank
+
+    @property
+    def transport(self) -> Transport:
+        """The underlying transport (exposed for inspection and fault injection in tests)."""
+        return self._transport
+
+    def receive(self, load_fn: LoadFn, *, timeout_s: float | None = None, aliases: bool = True) -> SyncStats:
+        """Receive one sync and feed it to ``load_fn``; return its stats once the sender has been told.
+
+        ``load_fn(named_tensors)`` is called once with an iterator of ``(name, tensor)`` in the
+        sender's order. Each bucket's checksums are verified before any of its tensors is yielded; a
+        mismatch raises :class:`~rlhf_weightsync.errors.ChecksumError` (naming the bucket and tensor)
+        out of the iterator. Tensors are views of the transport's buffers (shared memory, a GPU slot,
+        a receive buffer) and stay valid only until the iterator moves past their bucket: copy what
+        must outlive that. Tensors split across buckets are assembled into a fresh tensor.
+        ``aliases``: also yield tied names (after their primary name), sharing the same tensor.
+        ``timeout_s``: how long to wait for the sender to start this sync (default: the
+        receiver's ``timeout_s``).
+
+        If ``load_fn`` raises or stops early, or a checksum fails, the rest of the sync is still
+        received (so sender and receivers stay in step), the sender's ``send`` raises naming this rank,
+        and the error is re-raised here. Weights loaded from earlier buckets stay loaded.
+        """
+        if self._closed:
+            raise WeightSyncError("receive() on a closed WeightReceiver")
+        if self._broken:
+            raise WeightSyncError(f"rank {self.rank} is out of step with the sender after: {self._broken}")
+        rdv, sync = self._rdv, self._sync
+        rdv.wait([(f"sync/{sync}/manifest", 0)], what=f"the sender to start sync {sync}", timeout_s=timeout_s)
+        t0 = time.perf_counter()
+        manifest = Manifest.from_bytes(rdv.get(f"sync/{sync}/manifest"))
+        stream = _BucketStream(manifest, self._transport, sync=sync, aliases=aliases)
+        error: Exception | None = None
+        try:
+            self._transport.begin(sync, [b.nbytes for b in manifest.buckets])
+            try:
+                load_fn(iter(stream))
+                if not stream.finished:
+                    error = WeightSyncError(
+                        f"load_fn returned after {stream.tensors_out} of {len(manifest.tensors)} tensors; "
+                        "it must consume the whole iterator"
+                    )
+            except Exception as exc:
+                error = exc
+            stream.drain()
+        except BaseException as exc:
+            self._broken = f"sync {sync} failed in transport: {type(exc).__name__}: {exc}"
+            raise
+        status = "ok" if error is None else f"{type(error).__name__}: {error}"
+        rdv.set(f"sync/{sync}/done/{self.rank}", status.encode())
+        self._sync += 1
+        if error is not None:
+            raise error
+        return SyncStats(
+            version=manifest.version,
+            num_tensors=len(manifest.tensors),
+            num_names=stream.names_out,
+            num_buckets=len(manifest.buckets),
+            num_bytes=manifest.payload_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._transport.close()
+            self._rdv.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _BucketStream:
+    """Iterator over one sync's tensors that pulls buckets from the transport as it goes."""
+
+    def __init__(self, manifest: Manifest, transport: Transport, *, sync: int, aliases: bool) -> None:
+        self.manifest, self.transport, self.sync, self.aliases = manifest, transport, sync, aliases
+        self.next_bucket = 0
+        self.held: int | None = None
+        self.finished = False
+        self.tensors_out = 0
+        self.names_out = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._items()
+
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = self.manifest.tensors
+        partial: torch.Tensor | None = None
+        for index, bucket in enumerate(self.manifest.buckets):
+            buf = self._take(index)
+            for piece in bucket.pieces:
+                spec = tensors[piece.tensor]
+                view = buf[piece.offset : piece.offset + piece.count * spec.itemsize].view(spec.dtype)
+                if piece.count == spec.numel:
+                    tensor = view.view(spec.shape)
+                else:
+                    if piece.start == 0:
+                        partial = torch.empty(spec.numel, dtype=spec.dtype, device=buf.device)
+                    assert partial is not None
+                    partial[piece.start : piece.start + piece.count].copy_(view)
+                    if piece.start + piece.count < spec.numel:
+                        continue
+                    tensor, partial = partial.view(spec.shape), None
+                self.tensors_out += 1
+                self.names_out += 1
+                yield spec.name, tensor
+                if self.aliases:
+                    for alias in spec.aliases:
+                        self.names_out += 1
+                        yield alias, tensor
+            self._give(index)
+        self.finished = True
+
+    def _take(self, index: int) -> torch.Tensor:
+        buf = self.transport.wait(index)
+        self.next_bucket, self.held = index + 1, index
+        self._verify(index, buf)
+        return buf
+
+    def _give(self, index: int) -> None:
+        self.held = None
+        self.transport.release(index)
+
+    def _verify(self, index: int, buf: torch.Tensor) -> None:
+        bucket, tensors = self.manifest.buckets[index], self.manifest.tensors
+        got = torch.stack(
+            [word_sum(buf, p.offset, p.count * tensors[p.tensor].itemsize) for p in bucket.pieces]
+        )
+        expected = buf[bucket.trailer_offset : bucket.nbytes].view(torch.int64)
+        bad = (got != expected).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            piece, spec = bucket.pieces[i], tensors[bucket.pieces[i].tensor]
+            raise ChecksumError(
+                f"bucket {index + 1}/{len(self.manifest.buckets)} of sync {self.sync} "
+                f"(version {self.manifest.version}): checksum mismatch in tensor {spec.name!r} "
+                f"(elements {piece.start}..{piece.start + piece.count} of {spec.numel}): "
+                f"got {int(got[i]) & (2**64 - 1):#018x}, expected {int(expected[i]) & (2**64 - 1):#018x}"
+            )
+
+    def drain(self) -> None:
+        """Release the held bucket and receive (unverified, unused) every bucket not yet taken."""
+        if self.held is not None:
+            self._give(self.held)
+        for index in range(self.next_bucket, len(self.manifest.buckets)):
+            self.transport.wait(index)
+            self.transport.release(index)
+        self.next_bucket = len(self.manifest.buckets)

@@ -1,0 +1,190 @@
+"""The sending side (rank 0 of a sync group): walk tensors, cast, pack into buckets, ship, await acks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import ContextManager
+
+import torch
+
+from rlhf_weightsync._rendezvous import Rendezvous
+from rlhf_weightsync.checksum import WORD, align, word_sum
+from rlhf_weightsync.errors import WeightSyncError
+from rlhf_weightsync.layout import (
+    BucketLayout,
+    Manifest,
+    TensorSpec,
+    check_bucket_bytes,
+    collect,
+    plan_buckets,
+)
+from rlhf_weightsync.stats import SyncStats
+from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender"]
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+
+GatherFn = Callable[[list[torch.Tensor]], ContextManager]
+"""``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
+``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3. Applied once per bucket."""
+
+
+class WeightSender:
+    """Rank 0 of a sync group: ships weights to ``world_size - 1`` receivers.
+
+    Construction is collective: it hosts the group's TCPStore at ``master_addr:master_port``, waits
+    (at most ``timeout_s``) for every receiver to join, and connects the transport. ``timeout_s``
+    bounds every later wait too: a receiver that dies or stalls makes :meth:`send` raise
+    :class:`~rlhf_weightsync.errors.WeightSyncError` naming it, instead of hanging.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: TransportName,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: unknown {transport!r}; expected one of {TRANSPORTS}")
+        check_bucket_bytes(bucket_bytes)
+        self.bucket_bytes = bucket_bytes
+        self._rdv = Rendezvous(
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            info={"transport": transport, "bucket_bytes": bucket_bytes},
+        )
+        self._transport = open_transport(transport, self._rdv, bucket_bytes=bucket_bytes, device=device)
+        self._sync = 0
+        self._version = 0
+        self._closed = False
+        self._broken: str | None = None
+
+    @property
+    def transport(self) -> Transport:
+        """The underlying transport (exposed for inspection and fault injection in tests)."""
+        return self._transport
+
+    @property
+    def version(self) -> int:
+        """Version of the last completed sync (0 before the first)."""
+        return self._version
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        dtype: torch.dtype | None = None,
+        gather: GatherFn | None = None,
+        version: int | None = None,
+    ) -> SyncStats:
+        """Ship one complete set of weights to every receiver and wait until all have loaded them.
+
+        ``named_tensors``: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()`` or a state
+        dict's items; any device. Names tied to the same tensor (same storage and view) are shipped
+        once and delivered under every name. Pass parameters, not detached copies, when ``gather``
+        is used (ZeRO-3 shapes come from ``ds_shape`` before gathering).
+        ``dtype``: wire dtype of floating-point tensors (e.g. the engine's ``torch.bfloat16``);
+        others keep their dtype. ``None`` keeps every dtype.
+        ``gather``: applied to the tensors of each bucket while that bucket is packed.
+        ``version``: weights version to announce, greater than the previous one; default previous + 1.
+        """
+        if self._closed:
+            raise WeightSyncError("send() on a closed WeightSender")
+        if self._broken:
+            raise WeightSyncError(f"this sender is out of step with its receivers after: {self._broken}")
+        if version is None:
+            version = self._version + 1
+        elif not isinstance(version, int) or version <= self._version:
+            raise ValueError(
+                f"version: expected an int greater than the previous {self._version}, got {version!r}"
+            )
+        t0 = time.perf_counter()
+        specs, sources = collect(named_tensors, dtype)
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        manifest = Manifest(
+            version=version, bucket_bytes=self.bucket_bytes, tensors=tuple(specs), buckets=buckets
+        )
+        rdv, sync = self._rdv, self._sync
+        rdv.set(f"sync/{sync}/manifest", manifest.to_bytes())
+        try:
+            self._transport.begin(sync, [b.nbytes for b in buckets])
+            for index, bucket in enumerate(buckets):
+                buf = self._transport.acquire(index)
+                params = list({id(sources[p.tensor]): sources[p.tensor] for p in bucket.pieces}.values())
+                with gather(params) if gather is not None else contextlib.nullcontext():
+                    _pack(buf, bucket, specs, sources)
+                self._transport.post(index)
+            self._transport.flush()
+            rdv.wait_ranks(
+                f"sync/{sync}/done",
+                rdv.receivers,
+                what=f"receivers to finish sync {sync} (version {version})",
+            )
+        except BaseException as exc:
+            self._broken = f"sync {sync} (version {version}) failed: {type(exc).__name__}: {exc}"
+            raise
+        failures = []
+        for r in rdv.receivers:
+            status = rdv.get(f"sync/{sync}/done/{r}").decode()
+            if status != "ok":
+                failures.append(f"rank {r}: {status}")
+        rdv.delete([f"sync/{sync}/manifest", *(f"sync/{sync}/done/{r}" for r in rdv.receivers)])
+        self._sync += 1
+        if failures:
+            raise WeightSyncError(f"sync {sync} (version {version}) failed on " + "; ".join(failures))
+        self._version = version
+        return SyncStats(
+            version=version,
+            num_tensors=len(specs),
+            num_names=sum(1 + len(s.aliases) for s in specs),
+            num_buckets=len(buckets),
+            num_bytes=manifest.payload_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def close(self) -> None:
+        """Release the transport and stop hosting the store (receivers waiting on it then fail)."""
+        if not self._closed:
+            self._closed = True
+            self._transport.close()
+            self._rdv.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pack(
+    buf: torch.Tensor, bucket: BucketLayout, specs: list[TensorSpec], sources: list[torch.Tensor]
+) -> None:
+    """Copy (and cast) every piece into ``buf``, zero each piece's tail to a word, write the trailer."""
+    sums = []
+    for piece in bucket.pieces:
+        spec, src = specs[piece.tensor], sources[piece.tensor]
+        if src.numel() != spec.numel:
+            raise ValueError(
+                f"tensor {spec.name!r}: has {src.numel()} elements while packing but {spec.numel} were "
+                f"planned (a ZeRO-3 parameter outside its gather? pass gather=...)"
+            )
+        nbytes = piece.count * spec.itemsize
+        dst = buf[piece.offset : piece.offset + nbytes].view(spec.dtype)
+        dst.copy_(src.detach().reshape(-1)[piece.start : piece.start + piece.count])
+        tail = align(nbytes, WORD) - nbytes
+        if tail:
+            buf[piece.offset + nbytes : piece.offset + nbytes + tail].zero_()
+        sums.append(word_sum(buf, piece.offset, nbytes))
+    trailer = buf[bucket.trailer_offset : bucket.nbytes].view(torch.int64)
+    trailer.copy_(torch.stack(sums))

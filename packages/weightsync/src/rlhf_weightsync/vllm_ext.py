@@ -1,0 +1,96 @@
+"""A vLLM worker extension that joins a sync group and loads received weights into the engine.
+
+vLLM mixes this class into its worker when given
+``LLM(..., worker_extension_cls="rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension")``; its methods
+are then called on every worker through ``llm.collective_rpc(name, kwargs=...)``. This module does
+not import vllm (the worker already has), and the class adds only the three public methods below
+(vLLM refuses extension attributes that clash with the worker's).
+
+Loading goes through the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``,
+which re-runs vLLM's post-load processing: on the CPU backend the forward uses pre-packed copies
+of the GEMM weights that a plain ``model.load_weights`` would leave stale. Its layer-wise reload
+keeps loaded tensors until a layer is complete, so each tensor is cloned out of the transport's
+buffer first. Call ``llm.reset_prefix_cache()`` after every update: cached prompt KV from old
+weights would otherwise be reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["WeightSyncWorkerExtension"]
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+class WeightSyncWorkerExtension:
+    """Methods added to each vLLM worker; the worker's rank in the sync group is
+    ``rank_offset + <its tensor-parallel rank>`` (the sender is rank 0)."""
+
+    def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Join the sync group (blocks until the sender and every other receiver have joined)."""
+        from rlhf_weightsync.receiver import WeightReceiver
+
+        if getattr(self, "_rlhf_weightsync_receiver", None) is not None:
+            raise RuntimeError(
+                "init_weight_sync: this worker already joined a sync group; close_weight_sync first"
+            )
+        if rank_offset < 1:
+            raise ValueError(f"rank_offset: expected >= 1 (rank 0 is the sender), got {rank_offset}")
+        device = getattr(self, "device", None) if transport in ("nccl", "cuda_ipc") else None
+        self._rlhf_weightsync_receiver = WeightReceiver(
+            transport=transport,  # type: ignore[arg-type]
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank_offset + _tensor_parallel_rank(),
+            world_size=world_size,
+            timeout_s=timeout_s,
+            device=device,
+        )
+
+    def receive_weights(self, *, timeout_s: float | None = None) -> dict:
+        """Receive one sync, verify it and load it; return ``{"version", "num_tensors", "num_bytes", "seconds"}``.
+
+        ``timeout_s`` bounds the wait for the sender to start the sync (default: the group's timeout).
+        """
+        receiver = getattr(self, "_rlhf_weightsync_receiver", None)
+        if receiver is None:
+            raise RuntimeError("receive_weights: call init_weight_sync first")
+
+        def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+            owned = ((name, tensor.clone()) for name, tensor in named_tensors)
+            reload = getattr(self, "reload_weights", None)
+            if reload is not None:
+                reload(weights_iterator=owned, is_checkpoint_format=True)
+            else:  # older vLLM workers: plain load (fine on GPU, stale pre-packed weights on CPU)
+                self.model_runner.model.load_weights(owned)  # type: ignore[attr-defined]
+
+        stats = receiver.receive(load, timeout_s=timeout_s, aliases=False)
+        return {
+            "version": stats.version,
+            "num_tensors": stats.num_tensors,
+            "num_bytes": stats.num_bytes,
+            "seconds": stats.seconds,
+        }
+
+    def close_weight_sync(self) -> None:
+        """Leave the sync group (no-op if not joined)."""
+        receiver = getattr(self, "_rlhf_weightsync_receiver", None)
+        if receiver is not None:
+            self._rlhf_weightsync_receiver = None
+            receiver.close()
