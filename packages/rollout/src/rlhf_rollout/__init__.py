@@ -1,1 +1,61 @@
-"""rollout"""
+"""rlhf-rollout: token-in-token-out rollout.
+
+Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappers, agent executors
+(single-turn with rewards, multi-turn environments, OpenAI-API agents) and reward clients. ``vllm``,
+``ray`` and ``fastapi`` are imported only by the modules that need them.
+"""
+
+from rlhf_rollout.engine import EngineCapabilities, RolloutEngine, UnsupportedOperationError, check_prompts
+from rlhf_rollout.executors import (
+    AgentEnv,
+    AgentExecutorBase,
+    MultiTurnExecutor,
+    OpenAIAgentExecutor,
+    SingleTurnExecutor,
+    StepResult,
+    Trajectory,
+    chat_feedback_tokens,
+    trajectories_from_records,
+)
+from rlhf_rollout.hf_engine import TransformersEngine, process_logits
+from rlhf_rollout.openai_server import CallRecord, OpenAIServer
+from rlhf_rollout.ray_engines import EngineActor, EngineClient, create_engines
+from rlhf_rollout.remote_reward import RemoteReward, RemoteRewardError
+from rlhf_rollout.rewards import RewardFunction, RewardResult, RewardSource, load_reward_func
+from rlhf_rollout.types import FinishReason, Generation, SamplingParams
+from rlhf_rollout.vllm_engine import VLLMEngine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentEnv",
+    "AgentExecutorBase",
+    "CallRecord",
+    "EngineActor",
+    "EngineCapabilities",
+    "EngineClient",
+    "FinishReason",
+    "Generation",
+    "MultiTurnExecutor",
+    "OpenAIAgentExecutor",
+    "OpenAIServer",
+    "RemoteReward",
+    "RemoteRewardError",
+    "RewardFunction",
+    "RewardResult",
+    "RewardSource",
+    "RolloutEngine",
+    "SamplingParams",
+    "SingleTurnExecutor",
+    "StepResult",
+    "Trajectory",
+    "TransformersEngine",
+    "UnsupportedOperationError",
+    "VLLMEngine",
+    "chat_feedback_tokens",
+    "check_prompts",
+    "create_engines",
+    "load_reward_func",
+    "process_logits",
+    "trajectories_from_records",
+]

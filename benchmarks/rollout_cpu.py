@@ -1,0 +1,208 @@
+"""Rollout throughput on CPU: our engine wrappers against the raw engines they wrap.
+
+Run: uv run --no-sync python benchmarks/rollout_cpu.py [--models tiny,small] [--repeats 3]
+
+For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both random, float32):
+32 prompts x 4 samples x up to 64 new tokens, temperature 1, EOS allowed (ragged lengths), timed as
+1. raw ``vllm.LLM.generate`` (default engine options, no logprobs),
+2. our vLLM engine in its Ray actor, driven by ``SingleTurnExecutor`` (logprobs of every token),
+3. raw transformers ``generate`` (one left-padded batch of 128 rows),
+4. our ``TransformersEngine`` (logprobs of every token).
+Prints the median wall time over ``--repeats`` (after one warm-up), generated tokens per second,
+and the ratios ours / raw and vLLM / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODELS = {
+    "tiny": {},
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+}
+
+
+def make_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "guess the number add plus minus equals think step answer question total result".split()
+    out = []
+    for _ in range(num):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(4, 24)))
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+def timed(fn, repeats: int):
+    fn()  # warm-up
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def raw_vllm(model_dir, prompts, args):
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0)
+    sp = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens)
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def run():
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    t, tokens = timed(run, args.repeats)
+    llm.llm_engine.engine_core.shutdown()
+    llm = None
+    gc.collect()
+    return t, tokens
+
+
+def our_vllm(model_dir, prompts, tokenizer, args):
+    import ray
+    from rlhf_rollout import EngineClient, SamplingParams, SingleTurnExecutor, create_engines
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        (actor,) = create_engines(
+            num_engines=1,
+            backend="vllm",
+            engine_kwargs=dict(model=str(model_dir), dtype="float32", seed=0),
+            num_cpus_per_engine=1,
+            env_vars={"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
+        )
+        params = SamplingParams(temperature=1.0, n=args.samples, max_new_tokens=args.max_new_tokens)
+        ex = SingleTurnExecutor(engine=EngineClient([actor]), params=params, tokenizer=tokenizer)
+
+        def run():
+            return sum(t.response_len for t in ex.run(prompts))
+
+        result = timed(run, args.repeats)
+        ray.get(actor.shutdown.remote())
+        return result
+    finally:
+        ray.shutdown()
+
+
+def raw_hf(model, prompts, pad_id, args):
+    import torch
+
+    rows = [p for p in prompts for _ in range(args.samples)]
+    longest = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in rows])
+    eos = model.generation_config.eos_token_id
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=pad_id,
+            )
+        new = out[:, longest:]
+        done = (new == eos).int().cumsum(-1)
+        return int(((done == 0) | ((done == 1) & (new == eos))).sum())  # tokens up to and including EOS
+
+    return timed(run, args.repeats)
+
+
+def our_hf(model, prompts, args):
+    from rlhf_rollout import SamplingParams, TransformersEngine
+
+    engine = TransformersEngine(model=model)
+    params = SamplingParams(temperature=1.0, n=args.samples, max_new_tokens=args.max_new_tokens)
+
+    def run():
+        return sum(len(g.token_ids) for row in engine.generate(prompts, params) for g in row)
+
+    return timed(run, args.repeats)
+
+
+def bench_model(name: str, root: Path, args) -> dict:
+    import torch
+    from rlhf_testkit import TinyModelSpec, build_tiny_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = build_tiny_model(root / name, TinyModelSpec(**MODELS[name]))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    prompts = make_prompts(tokenizer, args.prompts)
+    res = {"params": n_params}
+    if "vllm" in args.backends:
+        res["raw vLLM"] = raw_vllm(model_dir, prompts, args)
+        res["our vLLM (Ray actor + executor)"] = our_vllm(model_dir, prompts, tokenizer, args)
+    if "transformers" in args.backends:
+        res["raw transformers"] = raw_hf(model, prompts, tokenizer.pad_token_id, args)
+        res["our transformers"] = our_hf(model, prompts, args)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--backends", default="vllm,transformers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {name: bench_model(name, Path(tmp), args) for name in args.models.split(",")}
+    print(
+        f"\n{args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} new tokens, "
+        f"temperature 1, EOS allowed; median of {args.repeats}"
+    )
+    for name, res in results.items():
+        print(f"\n{name} ({res['params'] / 1e6:.1f}M params)")
+        print(f"  {'engine':34s} {'seconds':>8s} {'tokens':>7s} {'tok/s':>9s}")
+        tps = {}
+        for key, value in res.items():
+            if key == "params":
+                continue
+            t, tokens = value
+            tps[key] = tokens / t
+            print(f"  {key:34s} {t:8.3f} {tokens:7d} {tps[key]:9.0f}")
+        pairs = [
+            ("our vLLM (Ray actor + executor)", "raw vLLM"),
+            ("our transformers", "raw transformers"),
+            ("raw vLLM", "raw transformers"),
+            ("our vLLM (Ray actor + executor)", "our transformers"),
+        ]
+        for a, b in pairs:
+            if a in tps and b in tps:
+                print(f"  ratio tok/s  {a} / {b}: {tps[a] / tps[b]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

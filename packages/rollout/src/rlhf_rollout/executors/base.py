@@ -1,0 +1,124 @@
+"""The trajectory an executor hands to training, and the executor base class."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_rollout.types import Generation, SamplingParams
+
+__all__ = ["AgentExecutorBase", "Trajectory", "agenerate"]
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sample, token in / token out.
+
+    ``token_ids = prompt + (response | environment feedback)*``. ``action_mask[t]`` is true exactly
+    for tokens the policy sampled (the tokens training acts on); ``logprobs[t]`` is the rollout
+    engine's logprob of token ``t`` under the sampling distribution, ``0.0`` where the mask is false.
+    The three lists have equal length; the model's tokens are the engine's ids, never re-tokenized.
+    """
+
+    token_ids: list[int]
+    action_mask: list[bool]
+    logprobs: list[float]
+    prompt_len: int
+    """Number of leading prompt tokens (all masked out)."""
+    reward: float
+    """Scalar reward of the whole trajectory (sum of step rewards for multi-turn)."""
+    score: float
+    """The reward source's ``scores`` entry (e.g. 0/1 correctness used by dynamic filtering);
+    equals ``reward`` when the source gives none."""
+    truncated: bool
+    """True when the trajectory hit a length limit (or the turn limit) instead of ending itself."""
+    prompt_index: int = 0
+    sample_index: int = 0
+    extra_logs: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.action_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"trajectory lengths differ: {n} tokens, {len(self.action_mask)} mask entries, "
+                f"{len(self.logprobs)} logprobs"
+            )
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+async def agenerate(
+    engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> list[list[Generation]]:
+    """Await ``engine.agenerate`` when it exists (Ray client); otherwise run the blocking
+    ``engine.generate`` in a thread, one call at a time per engine (local engines are not re-entrant)."""
+    if hasattr(engine, "agenerate"):
+        return await engine.agenerate(prompts, params)
+    lock = _engine_lock(engine)
+
+    def call():
+        with lock:
+            return engine.generate(prompts, params)
+
+    return await asyncio.to_thread(call)
+
+
+_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _engine_lock(engine: Any) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(id(engine), threading.Lock())
+
+
+class AgentExecutorBase(ABC):
+    """Turns prompts into :class:`Trajectory` s using an engine (anything with ``generate`` or
+    ``agenerate`` taking ``(prompts, params)``)."""
+
+    def __init__(self, *, engine: Any, params: SamplingParams) -> None:
+        self.engine = engine
+        self.params = params
+
+    @abstractmethod
+    async def arun(
+        self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
+    ) -> list[Trajectory]:
+        """Trajectories ordered prompt-major: sample ``j`` of prompt ``i`` at ``i * n + j``."""
+
+    def run(
+        self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
+    ) -> list[Trajectory]:
+        """Blocking :meth:`arun` (not from inside a running event loop)."""
+        return asyncio.run(self.arun(prompts, labels=labels))
+
+
+def engine_max_model_len(engine: Any) -> int:
+    """``engine.max_model_len`` for local engines (a property) and clients alike."""
+    value = engine.max_model_len
+    return int(value() if callable(value) else value)
+
+
+def check_prompt_lengths(
+    prompts: Sequence[Sequence[int]], limit: int, *, what: str = "the engine's max_model_len"
+) -> None:
+    """Name the first prompt (by its index in the whole batch) that leaves no room to generate."""
+    for i, p in enumerate(prompts):
+        if len(p) >= limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; {what} is {limit}, which leaves no room to generate"
+            )
+
+
+def check_labels(labels: Sequence[Any] | None, num_prompts: int) -> list[Any]:
+    if labels is None:
+        return [None] * num_prompts
+    if len(labels) != num_prompts:
+        raise ValueError(f"labels has {len(labels)} entries for {num_prompts} prompts")
+    return list(labels)

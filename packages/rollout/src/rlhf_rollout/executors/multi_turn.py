@@ -1,0 +1,197 @@
+"""Several turns against an environment; environment tokens are appended and masked out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from rlhf_rollout.executors.base import (
+    AgentExecutorBase,
+    Trajectory,
+    agenerate,
+    check_labels,
+    check_prompt_lengths,
+    engine_max_model_len,
+)
+from rlhf_rollout.types import SamplingParams
+
+__all__ = ["AgentEnv", "MultiTurnExecutor", "StepResult", "chat_feedback_tokens"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What an environment answers to one action."""
+
+    feedback: str
+    """Text shown to the model next (rendered to tokens by the executor); ignored when ``done``."""
+    reward: float
+    done: bool
+    params: SamplingParams | None = None
+    """Sampling parameters for the next turn, or ``None`` to keep the current ones."""
+    extra_logs: dict[str, float] = field(default_factory=dict)
+
+
+class AgentEnv(Protocol):
+    """A user's environment. One instance per episode."""
+
+    async def reset(self, *, prompt: str, label: Any) -> None: ...
+
+    async def step(self, *, action: str) -> StepResult: ...
+
+
+def chat_feedback_tokens(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """Render feedback as a ``user`` chat turn followed by the assistant generation prompt.
+
+    When the model's turn did not end with EOS (it was cut), the EOS token is prepended so the
+    template stays well formed."""
+
+    def render(text: str, ended_with_eos: bool) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        sep = tokenizer.encode("\n", add_special_tokens=False)
+        prefix = sep if ended_with_eos else [tokenizer.eos_token_id, *sep]
+        return prefix + list(ids)
+
+    return render
+
+
+class MultiTurnExecutor(AgentExecutorBase):
+    """Drive one ``env_factory()`` per sample for up to ``max_turns`` turns.
+
+    Turns run in lockstep: all live episodes generate in one engine call (grouped by sampling
+    parameters), then all environments step concurrently. The context of turn ``k`` is exactly the
+    token ids so far: the prompt, the engine's sampled ids (action, mask 1, with their logprobs) and
+    the rendered feedback (mask 0, logprob 0). Model tokens are decoded only to show the environment
+    the text; they are never re-encoded. The reward is the sum of step rewards. ``truncated`` is set
+    when ``max_turns`` or ``max_length`` (total tokens) ends an episode the environment did not end.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        params: SamplingParams,
+        tokenizer: Any,
+        env_factory: Callable[[], AgentEnv],
+        max_turns: int = 4,
+        max_length: int | None = None,
+        render_feedback: Callable[[str, bool], list[int]] | None = None,
+    ) -> None:
+        super().__init__(engine=engine, params=replace(params, n=1))
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.samples_per_prompt = params.n
+        self.tokenizer = tokenizer
+        self.env_factory = env_factory
+        self.max_turns = max_turns
+        self.max_length = max_length
+        self.render_feedback = render_feedback or chat_feedback_tokens(tokenizer)
+
+    async def arun(
+        self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
+    ) -> list[Trajectory]:
+        labels = check_labels(labels, len(prompts))
+        engine_limit = engine_max_model_len(self.engine)
+        limit = min(self.max_length or engine_limit, engine_limit)
+        what = "the engine's max_model_len" if limit == engine_limit else "the executor's max_length"
+        check_prompt_lengths(prompts, limit, what=what)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        eps = []
+        for i, p in enumerate(prompts):
+            for j in range(self.samples_per_prompt):
+                env = self.env_factory()
+                text = self.tokenizer.decode(list(p), skip_special_tokens=True)
+                eps.append(_Episode(i=i, j=j, env=env, tokens=list(p), params=self.params))
+                eps[-1].reset = env.reset(prompt=text, label=labels[i])
+        await asyncio.gather(*(e.reset for e in eps))
+        for turn in range(self.max_turns):
+            live = [e for e in eps if not e.finished]
+            if not live:
+                break
+            await self._generate(live, turn, limit)
+            results = await asyncio.gather(
+                *(
+                    e.env.step(action=self.tokenizer.decode(e.last_action, skip_special_tokens=True))
+                    for e in live
+                )
+            )
+            for e, res in zip(live, results, strict=True):
+                self._apply(e, res, eos, limit, last_turn=turn == self.max_turns - 1)
+        return [e.trajectory(len(prompts[e.i])) for e in eps]
+
+    async def _generate(self, live: list[_Episode], turn: int, limit: int) -> None:
+        groups: dict[SamplingParams, list[_Episode]] = {}
+        for e in live:
+            p = e.params
+            if p.seed is not None:
+                p = replace(p, seed=p.seed + 7919 * turn)
+            room = limit - len(e.tokens)
+            groups.setdefault(replace(p, max_new_tokens=max(1, min(p.max_new_tokens, room))), []).append(e)
+        for p, group in groups.items():
+            gens = await agenerate(self.engine, [e.tokens for e in group], p)
+            for e, per_prompt in zip(group, gens, strict=True):
+                g = per_prompt[0]
+                e.tokens += g.token_ids
+                e.mask += [True] * len(g.token_ids)
+                e.logprobs += g.logprobs
+                e.last_action = list(g.token_ids)
+                e.last_finish = g.finish_reason
+                e.turns += 1
+
+    def _apply(self, e: _Episode, res: StepResult, eos: int | None, limit: int, *, last_turn: bool) -> None:
+        e.reward += float(res.reward)
+        for k, v in res.extra_logs.items():
+            e.extra[k] = float(v)
+        if res.done:
+            e.finished = True
+            return
+        if last_turn:
+            e.finished, e.truncated = True, True
+            return
+        feedback = self.render_feedback(res.feedback, bool(e.last_action) and e.last_action[-1] == eos)
+        if len(e.tokens) + len(feedback) >= limit:
+            e.finished, e.truncated = True, True
+            return
+        e.tokens += feedback
+        e.mask += [False] * len(feedback)
+        e.logprobs += [0.0] * len(feedback)
+        if res.params is not None:
+            e.params = replace(res.params, n=1)
+
+
+@dataclass(kw_only=True)
+class _Episode:
+    i: int
+    j: int
+    env: Any
+    tokens: list[int]
+    params: SamplingParams
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    finished: bool = False
+    truncated: bool = False
+    last_action: list[int] = field(default_factory=list)
+    last_finish: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+    turns: int = 0
+    reset: Any = None
+
+    def trajectory(self, prompt_len: int) -> Trajectory:
+        return Trajectory(
+            token_ids=self.tokens,
+            action_mask=[False] * prompt_len + self.mask,
+            logprobs=[0.0] * prompt_len + self.logprobs,
+            prompt_len=prompt_len,
+            reward=self.reward,
+            score=self.reward,
+            truncated=self.truncated,
+            prompt_index=self.i,
+            sample_index=self.j,
+            extra_logs={**self.extra, "turns": float(self.turns)},
+        )

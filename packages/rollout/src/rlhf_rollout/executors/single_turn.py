@@ -1,0 +1,111 @@
+"""One generation per sample, then a reward from a function or remote servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_rollout.executors.base import (
+    AgentExecutorBase,
+    Trajectory,
+    agenerate,
+    check_labels,
+    check_prompt_lengths,
+    engine_max_model_len,
+)
+from rlhf_rollout.rewards import RewardResult, RewardSource
+from rlhf_rollout.types import Generation, SamplingParams
+
+__all__ = ["SingleTurnExecutor"]
+
+
+class SingleTurnExecutor(AgentExecutorBase):
+    """Prompt → ``params.n`` responses → rewards.
+
+    The batch is cut into chunks of ``chunk_size`` prompts that run concurrently: while one chunk
+    generates, finished chunks are decoded and scored, so scoring overlaps generation. The reward
+    source sees decoded texts (``queries`` = prompt + response, ``prompts``) and the labels of each
+    sample's prompt; with ``reward=None`` rewards are 0.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        params: SamplingParams,
+        tokenizer: Any,
+        reward: RewardSource | None = None,
+        chunk_size: int | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        super().__init__(engine=engine, params=params)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.chunk_size = chunk_size
+        self.skip_special_tokens = skip_special_tokens
+
+    async def arun(
+        self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
+    ) -> list[Trajectory]:
+        labels = check_labels(labels, len(prompts))
+        check_prompt_lengths(prompts, engine_max_model_len(self.engine))
+        size = self.chunk_size or max(1, len(prompts))
+        starts = range(0, len(prompts), size)
+        parts = await asyncio.gather(
+            *(self._chunk(prompts, labels, lo, min(lo + size, len(prompts))) for lo in starts)
+        )
+        return [t for part in parts for t in part]
+
+    async def _chunk(self, prompts, labels, lo: int, hi: int) -> list[Trajectory]:
+        params = self.params
+        chunk_params = params
+        if params.seed is not None:  # same per-sample seeds whatever the chunking (vLLM)
+            from dataclasses import replace
+
+            chunk_params = replace(params, seed=params.seed + lo * params.n)
+        gens = await agenerate(self.engine, [list(p) for p in prompts[lo:hi]], chunk_params)
+        flat: list[tuple[int, int, Generation]] = [
+            (lo + i, j, g) for i, per_prompt in enumerate(gens) for j, g in enumerate(per_prompt)
+        ]
+        result = await self._score(prompts, labels, flat)
+        out = []
+        for k, (i, j, g) in enumerate(flat):
+            prompt = list(prompts[i])
+            out.append(
+                Trajectory(
+                    token_ids=prompt + list(g.token_ids),
+                    action_mask=[False] * len(prompt) + [True] * len(g.token_ids),
+                    logprobs=[0.0] * len(prompt) + list(g.logprobs),
+                    prompt_len=len(prompt),
+                    reward=result.rewards[k],
+                    score=result.scores[k],
+                    truncated=g.finish_reason == "length",
+                    prompt_index=i,
+                    sample_index=j,
+                    extra_logs={key: v[k] for key, v in result.extra_logs.items()},
+                )
+            )
+        return out
+
+    async def _score(self, prompts, labels, flat) -> RewardResult:
+        if self.reward is None:
+            zeros = [0.0] * len(flat)
+            return RewardResult(rewards=zeros, scores=zeros)
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prompt_texts = {i: decode(list(prompts[i]), skip_special_tokens=skip) for i, _, _ in flat}
+        queries = [prompt_texts[i] + decode(list(g.token_ids), skip_special_tokens=skip) for i, _, g in flat]
+        try:
+            return await self.reward.ascore(
+                queries=queries,
+                prompts=[prompt_texts[i] for i, _, _ in flat],
+                labels=[labels[i] for i, _, _ in flat],
+            )
+        except ValueError as err:
+            first = flat[0][0] if flat else 0
+            raise ValueError(
+                f"{err} (sample numbers count from prompt {first}, n={self.params.n} each)"
+            ) from err

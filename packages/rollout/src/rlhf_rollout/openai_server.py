@@ -1,0 +1,233 @@
+"""An OpenAI-compatible HTTP server in front of an engine that records every call's exact tokens.
+
+Agents written against the OpenAI API talk to ``base_url(session)``; each call's prompt token ids and
+sampled token ids / logprobs are kept under that session, so training uses the tokens that were
+actually sampled, not a re-tokenization of the text the agent saw.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_rollout.executors.base import agenerate
+from rlhf_rollout.types import Generation, SamplingParams
+
+__all__ = ["CallRecord", "OpenAIServer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallRecord:
+    """One ``/completions`` or ``/chat/completions`` call as the engine saw it."""
+
+    session: str
+    kind: str
+    """``completion`` or ``chat``."""
+    prompt_ids: list[int]
+    generations: list[Generation]
+    params: SamplingParams
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+class OpenAIServer:
+    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, also under
+    ``/sessions/{session}/v1/...``. Binds ``127.0.0.1`` by default; ``port=0`` picks a free port.
+
+    Supported request fields: ``prompt`` (text or token ids) / ``messages``, ``max_tokens``,
+    ``temperature``, ``top_p``, ``n``, ``seed``, and the extensions ``top_k``, ``stop_token_ids`` and
+    ``return_token_ids`` (adds ``prompt_token_ids`` to the response and ``token_ids`` to each choice,
+    so an agent can extend the exact token sequence instead of re-rendering text).
+    ``stop`` strings are rejected (HTTP 400): they would cut sampled tokens at a text boundary.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        tokenizer: Any,
+        model_name: str = "policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int = 256,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.host = host
+        self.port = port
+        self.default_max_tokens = default_max_tokens
+        self._records: dict[str, list[CallRecord]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # --- records ---------------------------------------------------------------------------------------
+    def records(self, session: str = "default") -> list[CallRecord]:
+        with self._lock:
+            return list(self._records.get(session, []))
+
+    def pop_records(self, session: str = "default") -> list[CallRecord]:
+        with self._lock:
+            return self._records.pop(session, [])
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def base_url(self, session: str = "default") -> str:
+        """The ``base_url`` an OpenAI client uses to have its calls recorded under ``session``."""
+        return f"{self.url}/v1" if session == "default" else f"{self.url}/sessions/{session}/v1"
+
+    def start(self, *, timeout_s: float = 30.0) -> OpenAIServer:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"OpenAI server on {self.url} did not start within {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout_s)
+            self._server = None
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- HTTP ------------------------------------------------------------------------------------------
+    def _build_app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI()
+
+        async def handle(kind: str, session: str, request: Request):
+            try:
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise _BadRequest("request body must be a JSON object")
+                return await self._serve(kind, session, body)
+            except (_BadRequest, ValueError) as err:
+                return JSONResponse(
+                    status_code=400, content={"error": {"message": str(err), "type": "invalid_request_error"}}
+                )
+
+        for prefix in ("/v1", "/sessions/{session}/v1"):
+
+            @app.post(f"{prefix}/completions")
+            async def completions(request: Request, session: str = "default"):
+                return await handle("completion", session, request)
+
+            @app.post(f"{prefix}/chat/completions")
+            async def chat(request: Request, session: str = "default"):
+                return await handle("chat", session, request)
+
+            @app.get(f"{prefix}/models")
+            async def models(session: str = "default"):
+                return {
+                    "object": "list",
+                    "data": [{"id": self.model_name, "object": "model", "owned_by": "rlhf"}],
+                }
+
+        return app
+
+    def _params(self, body: dict) -> SamplingParams:
+        if body.get("stop"):
+            raise _BadRequest("'stop' strings are not supported; pass token ids as 'stop_token_ids'")
+        try:
+            return SamplingParams(
+                temperature=float(
+                    body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0
+                ),
+                top_p=float(body.get("top_p") or 1.0),
+                top_k=int(body.get("top_k") or 0),
+                max_new_tokens=int(
+                    body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens
+                ),
+                stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+                seed=body.get("seed"),
+                n=int(body.get("n") or 1),
+            )
+        except (TypeError, ValueError) as err:
+            raise _BadRequest(f"bad sampling parameters: {err}") from err
+
+    def _prompt_ids(self, kind: str, body: dict) -> list[int]:
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("'messages' must be a non-empty list")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise _BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
+
+    async def _serve(self, kind: str, session: str, body: dict) -> dict:
+        params = self._params(body)
+        prompt_ids = self._prompt_ids(kind, body)
+        gens = (await agenerate(self.engine, [prompt_ids], params))[0]
+        with self._lock:
+            self._records[session].append(
+                CallRecord(session=session, kind=kind, prompt_ids=prompt_ids, generations=gens, params=params)
+            )
+        choices = []
+        for k, g in enumerate(gens):
+            text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+            reason = "length" if g.finish_reason == "length" else "stop"
+            if kind == "chat":
+                choice = {
+                    "index": k,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                }
+            else:
+                choice = {"index": k, "text": text, "finish_reason": reason, "logprobs": None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = list(g.token_ids)
+            choices.append(choice)
+        completion_tokens = sum(len(g.token_ids) for g in gens)
+        extra = {"prompt_token_ids": prompt_ids} if body.get("return_token_ids") else {}
+        return {
+            **extra,
+            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+        }

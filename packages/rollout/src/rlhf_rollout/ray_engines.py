@@ -1,0 +1,224 @@
+"""Engines as Ray actors, and a client that spreads one batch over several of them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Literal
+
+from rlhf_rollout.engine import EngineCapabilities
+from rlhf_rollout.types import Generation, SamplingParams
+
+__all__ = ["EngineActor", "EngineClient", "create_engines"]
+
+Backend = Literal["vllm", "transformers"]
+
+
+class EngineActor:
+    """Holds one engine inside a Ray actor. Methods are typed and keyword-only."""
+
+    def __init__(self, *, backend: Backend, engine_kwargs: dict[str, Any]) -> None:
+        if backend == "vllm":
+            from rlhf_rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(**engine_kwargs)
+        elif backend == "transformers":
+            from rlhf_rollout.hf_engine import TransformersEngine
+
+            self.engine = TransformersEngine(**engine_kwargs)
+        else:
+            raise ValueError(f"backend: expected 'vllm' or 'transformers', got {backend!r}")
+
+    def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        return self.engine.generate(prompts, params)
+
+    def capabilities(self) -> EngineCapabilities:
+        return self.engine.capabilities
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.engine.init_weight_sync(
+            transport=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+
+    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
+        return self.engine.receive_weights(timeout_s=timeout_s)
+
+    def close_weight_sync(self) -> None:
+        self.engine.close_weight_sync()
+
+    def reload_weights_from_path(self, *, path: str) -> None:
+        """vLLM only: load a safetensors folder into the running engine (prefix cache reset)."""
+        self.engine.reload_weights_from_path(path=path)
+
+    def load_weights(self, *, named_tensors: list[tuple[str, Any]]) -> int:
+        out = self.engine.load_weights(named_tensors)
+        self.engine.reset_prefix_cache()
+        return out
+
+    def sleep(self, *, level: int = 1) -> None:
+        self.engine.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def create_engines(
+    *,
+    num_engines: int,
+    backend: Backend,
+    engine_kwargs: dict[str, Any],
+    tensor_parallel_size: int = 1,
+    placement_group: Any = None,
+    bundle_indices: Sequence[int] | None = None,
+    num_cpus_per_engine: float = 1.0,
+    num_gpus_per_engine: float = 0.0,
+    env_vars: dict[str, str] | None = None,
+) -> list[Any]:
+    """Start ``num_engines`` :class:`EngineActor` s; returns their handles (ready when this returns).
+
+    Placement: with ``placement_group``, engine ``i`` takes the ``tensor_parallel_size`` bundles
+    ``bundle_indices[i*tp : (i+1)*tp]`` (default ``range(num_engines * tp)``); the actor sits on the
+    first and, for ``tensor_parallel_size > 1``, vLLM's Ray executor places its workers on all of them
+    (``VLLM_RAY_BUNDLE_INDICES``). Each actor asks for ``num_cpus_per_engine`` CPUs and
+    ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
+
+    ``env_vars`` go into every actor's ``runtime_env`` (Ray sets ``OMP_NUM_THREADS=1`` in actors; pass
+    e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here).
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    tp = tensor_parallel_size
+    if tp > 1 and backend != "vllm":
+        raise ValueError(f"tensor_parallel_size={tp}: only the vllm backend shards a model")
+    if placement_group is None and bundle_indices is not None:
+        raise ValueError("bundle_indices needs a placement_group")
+    if placement_group is not None:
+        bundle_indices = list(bundle_indices) if bundle_indices is not None else list(range(num_engines * tp))
+        if len(bundle_indices) != num_engines * tp:
+            raise ValueError(
+                f"bundle_indices has {len(bundle_indices)} entries; num_engines * tensor_parallel_size "
+                f"= {num_engines * tp}"
+            )
+        available = placement_group.bundle_count
+        bad = [b for b in bundle_indices if not 0 <= b < available]
+        if bad:
+            raise ValueError(f"bundle_indices {bad} are outside the placement group's {available} bundles")
+    actor_cls = ray.remote(EngineActor)
+    handles = []
+    for i in range(num_engines):
+        kwargs = dict(engine_kwargs)
+        env = dict(env_vars or {})
+        options: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "num_gpus": num_gpus_per_engine}
+        if backend == "vllm":
+            kwargs.setdefault("tensor_parallel_size", tp)
+            if tp > 1:
+                kwargs.setdefault("distributed_executor_backend", "ray")
+                options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
+        if placement_group is not None:
+            mine = bundle_indices[i * tp : (i + 1) * tp]
+            if tp > 1:
+                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in mine)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=mine[0],
+                placement_group_capture_child_tasks=True,
+            )
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        handles.append(actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs))
+    ray.get([h.max_model_len.remote() for h in handles])  # surfaces construction errors here
+    return handles
+
+
+class EngineClient:
+    """One front for several engine actors: a batch is cut into contiguous shards, one per engine.
+
+    ``generate`` blocks; ``agenerate`` is a coroutine (Ray object refs are awaitable), so an executor
+    can score finished shards while others are still generating. With a fixed ``params.seed`` the
+    shard starting at prompt ``s`` gets seed ``seed + s * n``, so vLLM's per-request seeds
+    (``seed + i * n + j``) do not depend on how the batch was split.
+    """
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        if not engines:
+            raise ValueError("EngineClient needs at least one engine actor")
+        self.engines = list(engines)
+        self._max_model_len: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            import ray
+
+            self._max_model_len = min(ray.get([e.max_model_len.remote() for e in self.engines]))
+        return self._max_model_len
+
+    def capabilities(self) -> list[EngineCapabilities]:
+        import ray
+
+        return ray.get([e.capabilities.remote() for e in self.engines])
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[tuple[int, Any]]:
+        """Start generation; returns ``(first prompt index, object ref)`` per non-empty shard."""
+        k = len(self.engines)
+        bounds = [len(prompts) * e // k for e in range(k + 1)]
+        refs = []
+        for e, engine in enumerate(self.engines):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            shard_params = (
+                params if params.seed is None else replace(params, seed=params.seed + lo * params.n)
+            )
+            refs.append(
+                (lo, engine.generate.remote(prompts=[list(p) for p in prompts[lo:hi]], params=shard_params))
+            )
+        return refs
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        import ray
+
+        out: list[list[Generation]] = []
+        for _, ref in self.submit(prompts, params):
+            out.extend(ray.get(ref))
+        return out
+
+    async def agenerate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Generation]]:
+        shards = await asyncio.gather(*(ref for _, ref in self.submit(prompts, params)))
+        return [g for shard in shards for g in shard]
+
+    def reset_prefix_cache(self) -> None:
+        import ray
+
+        ray.get([e.reset_prefix_cache.remote() for e in self.engines])

