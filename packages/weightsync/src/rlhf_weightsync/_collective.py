@@ -7,6 +7,7 @@ the same order (bucket 0, 1, 2, ...) on every rank, as collectives must be.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -98,7 +99,5 @@ class BroadcastTransport:
         self._works, self._bufs, self._capacity = {}, [], 0
         pg, self._pg = self._pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):
                 pg.shutdown()
-            except Exception:
-                pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender"]
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
-GatherFn = Callable[[list[torch.Tensor]], ContextManager]
+GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
 """``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
 ``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3. Applied once per bucket."""
 

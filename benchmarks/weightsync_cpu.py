@@ -1,0 +1,177 @@
+"""Weight sync on CPU: plain memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcast.
+
+Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 5] [--bucket-mb 32] [--receivers 1]
+
+A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
+synced from this process (the sender) to receiver processes, each of which copies every tensor into
+its own model of the same shape, as an engine's load_weights does. Each figure is the median over
+``--syncs`` syncs (after one warm-up), timed on the sender from the start of a sync until every
+receiver has finished loading it. GB/s counts the model's bytes once.
+
+- memcpy: ``dst.copy_(src)`` for every tensor, in this process: the bound for any sync.
+- shm, gloo: ``WeightSender.send(model.named_parameters())`` with checksums, into ``copy_into(model)``.
+- per-parameter gloo: what OpenRLHF does on CPU-less-than-ideal paths: for every parameter one
+  ``broadcast`` on a (private) gloo group, the receiver allocating a tensor per parameter and then
+  loading it into its model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rlhf_weightsync import WeightReceiver, WeightSender, copy_into
+from rlhf_weightsync.checksum import word_sum
+
+VOCAB, HIDDEN, INTER, KV, LAYERS = 16000, 640, 448, 128, 16
+
+
+def model_shapes() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            p + "self_attn.q_proj.bias": (HIDDEN,),
+            p + "self_attn.k_proj.weight": (KV, HIDDEN),
+            p + "self_attn.k_proj.bias": (KV,),
+            p + "self_attn.v_proj.weight": (KV, HIDDEN),
+            p + "self_attn.v_proj.bias": (KV,),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+            p + "mlp.up_proj.weight": (INTER, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTER),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        }
+    shapes |= {"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)}
+    return shapes
+
+
+def make_model(fill: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    if fill == "random":
+        return {n: torch.randn(s, generator=gen) for n, s in model_shapes().items()}
+    return {n: torch.zeros(s) for n, s in model_shapes().items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def private_gloo(port: int, rank: int, world: int) -> dist.ProcessGroupGloo:
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=120), wait_for_workers=False)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=120)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def receiver_main(rank: int, method: str, port: int, world: int, syncs: int) -> None:
+    model = make_model("zeros")
+    if method == "per-param gloo":
+        pg = private_gloo(port, rank, world)
+        for _ in range(syncs):
+            for name, shape in model_shapes().items():
+                buf = torch.empty(shape)  # a fresh tensor per parameter, then loaded into the model
+                pg.broadcast(buf, 0).wait()
+                model[name].copy_(buf)
+            pg.barrier().wait()
+        return
+    receiver = WeightReceiver(
+        transport=method,
+        master_addr="127.0.0.1",
+        master_port=port,
+        rank=rank,
+        world_size=world,
+        timeout_s=120,
+    )
+    load = copy_into(model)
+    for _ in range(syncs):
+        receiver.receive(load)
+    receiver.close()
+
+
+def run_method(method: str, model: dict[str, torch.Tensor], args) -> list[float]:
+    port, world, total = free_port(), args.receivers + 1, args.syncs + 1
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=receiver_main, args=(r, method, port, world, total)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    times = []
+    if method == "per-param gloo":
+        pg = private_gloo(port, 0, world)
+        for _ in range(total):
+            t0 = time.perf_counter()
+            for tensor in model.values():
+                pg.broadcast(tensor, 0).wait()
+            pg.barrier().wait()
+            times.append(time.perf_counter() - t0)
+    else:
+        sender = WeightSender(
+            transport=method,
+            master_addr="127.0.0.1",
+            master_port=port,
+            world_size=world,
+            timeout_s=120,
+            bucket_bytes=args.bucket_mb << 20,
+        )
+        for _ in range(total):
+            times.append(sender.send(model.items()).seconds)
+        sender.close()
+    for p in procs:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"{method}: receiver exited with {p.exitcode}")
+    return times[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--syncs", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=32)
+    parser.add_argument("--receivers", type=int, default=1)
+    args = parser.parse_args()
+    model = make_model("random")
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; model: {len(model)} fp32 tensors, "
+        f"{sum(t.numel() for t in model.values()) / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; "
+        f"{args.receivers} receiver process(es); bucket {args.bucket_mb} MiB; median of {args.syncs} syncs"
+    )
+    dst = make_model("zeros")
+    memcpy = []
+    for _ in range(args.syncs + 1):
+        t0 = time.perf_counter()
+        for name, tensor in model.items():
+            dst[name].copy_(tensor)
+        memcpy.append(time.perf_counter() - t0)
+    flat = [t.view(-1).view(torch.uint8) for t in model.values()]
+    t0 = time.perf_counter()
+    for b in flat:
+        word_sum(b, 0, b.numel())
+    checksum_s = time.perf_counter() - t0
+    results = {"memcpy (in-process)": statistics.median(memcpy[1:])}
+    for method in ("shm", "gloo", "per-param gloo"):
+        results[method if method == "per-param gloo" else f"{method} (bucketed)"] = statistics.median(
+            run_method(method, model, args)
+        )
+    base, per_param = results["memcpy (in-process)"], results["per-param gloo"]
+    print(f"{'method':<22} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18}")
+    for name, sec in results.items():
+        print(
+            f"{name:<22} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {base / sec:>9.0%} {per_param / sec:>17.2f}x"
+        )
+    print(f"checksum (word sum, one pass over the model): {nbytes / checksum_s / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
