@@ -66,7 +66,7 @@ def servers():
 def _score(reward, n=5, labels=None):
     queries = [f"q{i}" * (i + 1) for i in range(n)]
     return asyncio.run(
-        reward.ascore(queries=queries, prompts=["p"] * n, labels=labels or ["good", "bad"] * n)
+        reward.ascore(queries=queries, prompts=["p"] * n, labels=labels or (["good", "bad"] * n)[:n])
     )
 
 

@@ -45,17 +45,11 @@ def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
     changed.save_pretrained(tmp_path / "new", safe_serialization=True)
     try:
         ray.get(
-            engine.init_weight_sync.remote(
-                transport="file",
-                master_addr=str(tmp_path / "new"),
-                master_port=0,
-                rank_offset=0,
-                world_size=1,
-            )
+            vllm_client.init_weight_sync(transport="file", master_addr=str(tmp_path / "new"), master_port=0)
         )
-        reports = ray.get(engine.receive_weights.remote(timeout_s=30.0))
-        assert reports == [{"version": 1, "rank": 0}]
-        ray.get(engine.close_weight_sync.remote())
+        reports = ray.get(vllm_client.receive_weights(timeout_s=30.0))
+        assert reports == [[{"version": 1, "rank": 1}]]  # one engine, one worker, rank_offset 1
+        vllm_client.close_weight_sync()
         g2 = _logprobs(vllm_client)
         ref_new = reference_logprobs(changed, LONG_PROMPT, g2.token_ids, temperature=0.8)
         assert (ref_new - torch.tensor(g2.logprobs, dtype=ref_new.dtype)).abs().max() < 2e-3

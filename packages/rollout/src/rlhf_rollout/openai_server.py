@@ -5,7 +5,7 @@ sampled token ids / logprobs are kept under that session, so training uses the t
 actually sampled, not a re-tokenization of the text the agent saw.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
 
 import socket
 import threading
@@ -88,7 +88,7 @@ class OpenAIServer:
         """The ``base_url`` an OpenAI client uses to have its calls recorded under ``session``."""
         return f"{self.url}/v1" if session == "default" else f"{self.url}/sessions/{session}/v1"
 
-    def start(self, *, timeout_s: float = 30.0) -> OpenAIServer:
+    def start(self, *, timeout_s: float = 30.0) -> "OpenAIServer":
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -112,7 +112,7 @@ class OpenAIServer:
             self._thread.join(timeout_s)
             self._server = None
 
-    def __enter__(self) -> OpenAIServer:
+    def __enter__(self) -> "OpenAIServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -168,10 +168,11 @@ class EngineClient:
     (``seed + i * n + j``) do not depend on how the batch was split.
     """
 
-    def __init__(self, engines: Sequence[Any]) -> None:
+    def __init__(self, engines: Sequence[Any], *, tensor_parallel_size: int = 1) -> None:
         if not engines:
             raise ValueError("EngineClient needs at least one engine actor")
         self.engines = list(engines)
+        self.tensor_parallel_size = tensor_parallel_size
         self._max_model_len: int | None = None
 
     @property
@@ -222,3 +223,31 @@ class EngineClient:
         import ray
 
         ray.get([e.reset_prefix_cache.remote() for e in self.engines])
+
+    # --- weight sync: non-blocking, because the sender must join while the engines wait -------------
+    def init_weight_sync(
+        self, *, transport: str, master_addr: str, master_port: int, timeout_s: float = 60.0
+    ) -> list[Any]:
+        """Start every engine joining one sync group (sender = rank 0; engine ``i``'s workers take
+        ranks ``1 + i * tp ...``). Returns object refs; ``ray.get`` them after the sender joined."""
+        world_size = 1 + len(self.engines) * self.tensor_parallel_size
+        return [
+            e.init_weight_sync.remote(
+                transport=transport,
+                master_addr=master_addr,
+                master_port=master_port,
+                rank_offset=1 + i * self.tensor_parallel_size,
+                world_size=world_size,
+                timeout_s=timeout_s,
+            )
+            for i, e in enumerate(self.engines)
+        ]
+
+    def receive_weights(self, *, timeout_s: float | None = None) -> list[Any]:
+        """Start one receive on every engine (each resets its prefix cache after loading); refs."""
+        return [e.receive_weights.remote(timeout_s=timeout_s) for e in self.engines]
+
+    def close_weight_sync(self) -> None:
+        import ray
+
+        ray.get([e.close_weight_sync.remote() for e in self.engines])
