@@ -41,7 +41,7 @@ def main(cfg: dict) -> None:
             receiver.transport.tamper = None
         got: dict[str, torch.Tensor] = {}
 
-        def load(named, k=k):
+        def load(named, k=k, got=got):
             for name, tensor in named:
                 got[name] = tensor.clone()
                 if die and die["sync"] == k:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from rlhf_weightsync.errors import PeerTimeoutError, WeightSyncError
 __all__ = ["Rendezvous"]
 
 _PREFIX = "rlhf_weightsync"
+POLL_S = 1.0
 
 
 def _alive(pid: int) -> bool:
@@ -39,8 +41,8 @@ def _alive(pid: int) -> bool:
 class Rendezvous:
     """Connects rank ``rank`` of ``world_size`` through a TCPStore at ``master_addr:master_port``.
 
-    Rank 0 (the sender) hosts the store and waits until every receiver has joined; receivers wait
-    for the sender. ``info`` is published to the peers (the sender's includes the transport name and
+    Rank 0 (the sender) hosts the store and waits (at most ``connect_timeout_s``, default
+    ``timeout_s``) until every receiver has joined; receivers wait as long for the sender. ``info`` is published to the peers (the sender's includes the transport name and
     bucket size, which receivers check and adopt).
     """
 
@@ -52,6 +54,7 @@ class Rendezvous:
         rank: int,
         world_size: int,
         timeout_s: float,
+        connect_timeout_s: float | None = None,
         info: dict,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 2:
@@ -62,6 +65,11 @@ class Rendezvous:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        if not connect_timeout_s > 0:
+            raise ValueError(
+                f"connect_timeout_s: expected a positive number of seconds, got {connect_timeout_s!r}"
+            )
         if not isinstance(master_port, int) or not 0 < master_port < 65536:
             raise ValueError(f"master_port: expected a TCP port number, got {master_port!r}")
         self.master_addr, self.master_port = master_addr, master_port
@@ -72,7 +80,7 @@ class Rendezvous:
                 master_port,
                 None,
                 rank == 0,
-                timedelta(seconds=timeout_s),
+                timedelta(seconds=max(timeout_s, connect_timeout_s)),
                 wait_for_workers=False,
             )
         except Exception as exc:
@@ -86,11 +94,11 @@ class Rendezvous:
         self.peers: dict[int, dict] = {}
         self.set(f"join/{rank}", json.dumps(self.info).encode())
         if rank == 0:
-            self.wait_ranks("join", self.receivers, what="join the sync group")
+            self.wait_ranks("join", self.receivers, what="join the sync group", timeout_s=connect_timeout_s)
             for r in self.receivers:
                 self.peers[r] = json.loads(self.get(f"join/{r}"))
         else:
-            self.wait([("join/0", 0)], what="the sender to join the sync group")
+            self.wait([("join/0", 0)], what="the sender to join the sync group", timeout_s=connect_timeout_s)
             self.peers[0] = json.loads(self.get("join/0"))
         self._check_transports()
 
@@ -116,7 +124,12 @@ class Rendezvous:
         self.store.set(key, value)
 
     def get(self, key: str) -> bytes:
-        return self.store.get(key)
+        try:
+            return self.store.get(key)
+        except Exception as exc:
+            raise WeightSyncError(
+                f"rank {self.rank}: lost the weight-sync store reading {key!r}: {exc}"
+            ) from exc
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -126,23 +139,34 @@ class Rendezvous:
                 return
 
     def wait(self, keys: list[tuple[str, int]], *, what: str, timeout_s: float | None = None) -> None:
-        """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks."""
+        """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks.
+
+        Waits in slices of at most ``POLL_S`` seconds; a missing peer on this host whose process has
+        exited fails the wait at once instead of at the timeout.
+        """
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            self.store.wait([k for k, _ in keys], timedelta(seconds=timeout))
-        except Exception as exc:
+        deadline = time.monotonic() + timeout
+        while True:
+            step = min(POLL_S, max(deadline - time.monotonic(), 0.001))
             try:
-                missing = sorted({r for k, r in keys if not self.store.check([k])})
-            except Exception:
-                raise WeightSyncError(
-                    f"rank {self.rank}: lost the weight-sync store while waiting for {what}: {exc}"
-                ) from exc
-            if not missing:  # the keys appeared just as the wait gave up
+                self.store.wait([k for k, _ in keys], timedelta(seconds=step))
                 return
-            raise PeerTimeoutError(
-                f"rank {self.rank}: waited {timeout:.1f} s for {what}; no answer from "
-                f"{self.describe(missing)}"
-            ) from exc
+            except Exception as exc:
+                try:
+                    missing = sorted({r for k, r in keys if not self.store.check([k])})
+                except Exception:
+                    raise WeightSyncError(
+                        f"rank {self.rank}: lost the weight-sync store while waiting for {what}: {exc}"
+                    ) from exc
+                if not missing:  # the keys appeared just as the wait gave up
+                    return
+                dead = [r for r in missing if self._exited(r)]
+                if dead or time.monotonic() >= deadline:
+                    waited = timeout - max(deadline - time.monotonic(), 0.0)
+                    raise PeerTimeoutError(
+                        f"rank {self.rank}: waited {waited:.1f} s (timeout {timeout:.1f} s) for {what}; "
+                        f"no answer from {self.describe(missing)}"
+                    ) from exc
 
     def wait_ranks(
         self, prefix: str, ranks: Iterable[int], *, what: str, timeout_s: float | None = None
@@ -152,6 +176,10 @@ class Rendezvous:
     def describe(self, ranks: Iterable[int]) -> str:
         """``"rank 2 (pid 123 on this host, no longer running)"`` and the like."""
         return ", ".join(self._describe(r) for r in ranks)
+
+    def _exited(self, rank: int) -> bool:
+        peer = self.peers.get(rank)
+        return peer is not None and peer["host"] == socket.gethostname() and not _alive(peer["pid"])
 
     def _describe(self, rank: int) -> str:
         peer = self.peers.get(rank)

@@ -37,6 +37,7 @@ class WeightReceiver:
         rank: int,
         world_size: int,
         timeout_s: float = 60.0,
+        connect_timeout_s: float | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
@@ -49,6 +50,7 @@ class WeightReceiver:
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
             info={"transport": transport},
         )
         bucket_bytes = self._rdv.sender_info["bucket_bytes"]

@@ -36,9 +36,12 @@ class WeightSender:
     """Rank 0 of a sync group: ships weights to ``world_size - 1`` receivers.
 
     Construction is collective: it hosts the group's TCPStore at ``master_addr:master_port``, waits
-    (at most ``timeout_s``) for every receiver to join, and connects the transport. ``timeout_s``
-    bounds every later wait too: a receiver that dies or stalls makes :meth:`send` raise
-    :class:`~rlhf_weightsync.errors.WeightSyncError` naming it, instead of hanging.
+    (at most ``connect_timeout_s``, default ``timeout_s``) for every receiver to join, and connects
+    the transport. ``timeout_s`` bounds every wait of a sync: a receiver that dies or stalls makes
+    :meth:`send` raise :class:`~rlhf_weightsync.errors.WeightSyncError` naming it, instead of hanging.
+    ``bucket_bytes`` (a multiple of 64, at least 4096) caps each bucket, checksum trailer included;
+    the ``shm`` and ``cuda_ipc`` transports keep two buckets' worth of shared memory mapped.
+    ``device``: the CUDA device of the ``nccl`` / ``cuda_ipc`` buffers (default: the current one).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class WeightSender:
         master_port: int,
         world_size: int,
         timeout_s: float = 60.0,
+        connect_timeout_s: float | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | str | None = None,
     ) -> None:
@@ -62,6 +66,7 @@ class WeightSender:
             rank=0,
             world_size=world_size,
             timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
             info={"transport": transport, "bucket_bytes": bucket_bytes},
         )
         self._transport = open_transport(transport, self._rdv, bucket_bytes=bucket_bytes, device=device)
@@ -77,7 +82,7 @@ class WeightSender:
 
     @property
     def version(self) -> int:
-        """Version of the last completed sync (0 before the first)."""
+        """Version of the last sync that reached every receiver, failed or not (0 before the first)."""
         return self._version
 
     def send(
@@ -111,6 +116,13 @@ class WeightSender:
             )
         t0 = time.perf_counter()
         specs, sources = collect(named_tensors, dtype)
+        if gather is None:
+            for spec, src in zip(specs, sources, strict=True):
+                if src.numel() != spec.numel:
+                    raise ValueError(
+                        f"tensor {spec.name!r}: holds {src.numel()} of its {spec.numel} elements "
+                        "(a ZeRO-3 partition?); pass gather=..."
+                    )
         buckets = plan_buckets(specs, self.bucket_bytes)
         manifest = Manifest(
             version=version, bucket_bytes=self.bucket_bytes, tensors=tuple(specs), buckets=buckets
@@ -141,9 +153,9 @@ class WeightSender:
                 failures.append(f"rank {r}: {status}")
         rdv.delete([f"sync/{sync}/manifest", *(f"sync/{sync}/done/{r}" for r in rdv.receivers)])
         self._sync += 1
+        self._version = version  # a failed sync may have been partly loaded: its version is used up
         if failures:
             raise WeightSyncError(f"sync {sync} (version {version}) failed on " + "; ".join(failures))
-        self._version = version
         return SyncStats(
             version=version,
             num_tensors=len(specs),

@@ -10,13 +10,14 @@ Loading goes through the worker's ``reload_weights(weights_iterator=..., is_chec
 which re-runs vLLM's post-load processing: on the CPU backend the forward uses pre-packed copies
 of the GEMM weights that a plain ``model.load_weights`` would leave stale. Its layer-wise reload
 keeps loaded tensors until a layer is complete, so each tensor is cloned out of the transport's
-buffer first. Call ``llm.reset_prefix_cache()`` after every update: cached prompt KV from old
+buffer first; and it re-processes only layers that received weights, so a tied ``lm_head`` is fed
+the embedding explicitly (see ``_owned_with_tied_head``). Call ``llm.reset_prefix_cache()`` after every update: cached prompt KV from old
 weights would otherwise be reused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -27,6 +28,37 @@ def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
+
+
+def _ties_embeddings(worker) -> bool:
+    try:
+        config = worker.model_runner.model_config.hf_config
+    except AttributeError:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def _owned_with_tied_head(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, tied: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Clones of the received tensors; for a model with tied embeddings, ``lm_head.weight`` too.
+
+    vLLM reloads layer by layer and re-processes only layers that received weights: a tied
+    ``lm_head`` that gets nothing keeps its stale pre-packed copy on CPU. A sender that walked
+    ``named_parameters()`` lists the tied weight once (as ``...embed_tokens.weight``), so the head is
+    fed the same tensor here unless the sync already named it.
+    """
+    seen: set[str] = set()
+    embed = None
+    for name, tensor in named_tensors:
+        owned = tensor.clone()
+        seen.add(name)
+        if name.endswith("embed_tokens.weight"):
+            embed = owned
+        yield name, owned
+    if tied and embed is not None and "lm_head.weight" not in seen:
+        yield "lm_head.weight", embed
 
 
 class WeightSyncWorkerExtension:
@@ -73,14 +105,14 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("receive_weights: call init_weight_sync first")
 
         def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-            owned = ((name, tensor.clone()) for name, tensor in named_tensors)
+            owned = _owned_with_tied_head(named_tensors, tied=_ties_embeddings(self))
             reload = getattr(self, "reload_weights", None)
             if reload is not None:
                 reload(weights_iterator=owned, is_checkpoint_format=True)
             else:  # older vLLM workers: plain load (fine on GPU, stale pre-packed weights on CPU)
                 self.model_runner.model.load_weights(owned)  # type: ignore[attr-defined]
 
-        stats = receiver.receive(load, timeout_s=timeout_s, aliases=False)
+        stats = receiver.receive(load, timeout_s=timeout_s, aliases=True)
         return {
             "version": stats.version,
             "num_tensors": stats.num_tensors,
