@@ -2,7 +2,8 @@
 
 Config keys: transport, port, rank, world, timeout, out (folder), syncs (number of receives), and
 optionally ``tamper`` ({"sync": k, "bucket": i, "offset": byte}) to flip one byte of a bucket as it
-arrives, ``die`` ({"sync": k}) to exit abruptly after the first tensor of sync k, ``threads``.
+arrives, ``die`` ({"sync": k}) to exit abruptly after the first tensor of sync k, ``threads``,
+``device`` (for the GPU transports).
 For each sync it writes ``rank{r}_sync{k}.pt`` with the stats and clones of every received tensor,
 or the error it raised.
 """
@@ -27,6 +28,7 @@ def main(cfg: dict) -> None:
         rank=cfg["rank"],
         world_size=cfg["world"],
         timeout_s=cfg["timeout"],
+        device=cfg.get("device"),
     )
     tamper, die = cfg.get("tamper"), cfg.get("die")
     for k in range(cfg["syncs"]):
