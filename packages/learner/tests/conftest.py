@@ -33,9 +33,24 @@ def run_ranks(world: int, model_dir: Path, out: Path, timeout_s: float = 400) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--port", str(port),
-             "--model", str(model_dir), "--out", str(out)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            [
+                sys.executable,
+                str(WORKER),
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--model",
+                str(model_dir),
+                "--out",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
         )
         for r in range(world)
     ]

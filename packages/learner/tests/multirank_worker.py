@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 
 import torch
-
 from rlhf_algos import aggregate_loss, policy_loss
-from rlhf_learner.models import Actor, load_causal_lm
+from rlhf_learner.models import Actor, load_causal_lm, load_reference
 from rlhf_learner.steps import ppo_actor_step, reference_logp
 from rlhf_learner.strategy import Strategy, StrategyOptions
 
@@ -32,11 +31,13 @@ def global_rows(seed: int = 0) -> list[dict[str, torch.Tensor]]:
     for n in LENGTHS:
         mask = torch.zeros(n, dtype=torch.bool)
         mask[4:] = True
-        rows.append({
-            "input_ids": torch.randint(3, 400, (n,), generator=g),
-            "action_mask": mask,
-            "advantages": torch.randn(n, generator=g),
-        })
+        rows.append(
+            {
+                "input_ids": torch.randint(3, 400, (n,), generator=g),
+                "action_mask": mask,
+                "advantages": torch.randn(n, generator=g),
+            }
+        )
     return rows
 
 
@@ -46,7 +47,12 @@ def pad_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     for key in rows[0]:
         out[key] = torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0])) for r in rows])
     out["attention_mask"] = torch.stack(
-        [torch.nn.functional.pad(torch.ones(r["input_ids"].shape[0], dtype=torch.long), (0, width - r["input_ids"].shape[0])) for r in rows]
+        [
+            torch.nn.functional.pad(
+                torch.ones(r["input_ids"].shape[0], dtype=torch.long), (0, width - r["input_ids"].shape[0])
+            )
+            for r in rows
+        ]
     )
     return out
 
@@ -55,7 +61,9 @@ def micro_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     rows = global_rows()
     per_micro = len(rows) // GAS
     share = per_micro // world
-    return [pad_rows(rows[g * per_micro + rank * share : g * per_micro + (rank + 1) * share]) for g in range(GAS)]
+    return [
+        pad_rows(rows[g * per_micro + rank * share : g * per_micro + (rank + 1) * share]) for g in range(GAS)
+    ]
 
 
 def with_old_logp(engine, mbs):
@@ -79,14 +87,18 @@ def build(strategy: Strategy, model_dir: str):
 
 
 def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: bool) -> dict:
-    strategy = Strategy(StrategyOptions(zero_stage=stage, lr=1e-3, grad_accum_steps=GAS, micro_batch_size=4 // world))
+    strategy = Strategy(
+        StrategyOptions(zero_stage=stage, lr=1e-3, grad_accum_steps=GAS, micro_batch_size=4 // world)
+    )
     strategy.setup_distributed()
     engine = build(strategy, model_dir)
     res: dict = {"losses": [], "grad_norms": []}
     mbs = with_old_logp(engine, micro_batches(rank, world))
     for step in range(STEPS):
         if extras and step == 2:
-            strategy.save_checkpoint(engine, out / "ckpt", tag="step2", client_state={"step": 2, "data_position": 16})
+            strategy.save_checkpoint(
+                engine, out / "ckpt", tag="step2", client_state={"step": 2, "data_position": 16}
+            )
             res["rand_after_save"] = torch.rand(3).tolist()
         r = ppo_step(engine, mbs)
         res["losses"].append(r.loss)
@@ -103,6 +115,15 @@ def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: 
         from transformers import AutoTokenizer
 
         strategy.export_hf(engine.module, out / "export", tokenizer=AutoTokenizer.from_pretrained(model_dir))
+        # A frozen reference sharded with ZeRO-3 inference gives the initial weights' log-probs.
+        ref = strategy.prepare(
+            load_reference(model_dir, ds_config=strategy.ds_config(train=False)), train=False
+        )
+        res["ref_logp_max_diff"] = max(
+            (reference_logp(ref, mb) - mb["old_logp"]).abs().max().item() for mb in mbs
+        )
+        p_ref = next(ref.module.parameters())
+        res["ref_shard"] = [p_ref.ds_tensor.numel(), p_ref.ds_numel]
         # Resume from the step-2 checkpoint in a fresh engine and redo step 3.
         torch.manual_seed(1234)
         engine2 = build(strategy, model_dir)
@@ -119,9 +140,13 @@ def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: 
 def ring_checks(model_dir: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from rlhf_learner.ring_attention import (
+        gather_sequence,
+        ring_attention,
+        split_sequence,
+        use_ring_attention,
+    )
     from transformers import AutoModelForCausalLM
-
-    from rlhf_learner.ring_attention import gather_sequence, ring_attention, split_sequence, use_ring_attention
 
     res: dict = {}
     g = torch.Generator().manual_seed(7)
@@ -169,6 +194,30 @@ def ring_checks(model_dir: str, rank: int, world: int) -> dict:
     return res
 
 
+def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
+    """SFT steps where both ranks get the same full rows and split each sequence with ring
+    attention (world 2), vs. one process on the same rows (world 1)."""
+    from rlhf_algos import sft_loss
+    from rlhf_learner.steps import sft_step
+
+    strategy = Strategy(
+        StrategyOptions(zero_stage=2 if world > 1 else 0, lr=1e-3, sequence_parallel_size=world)
+    )
+    strategy.setup_distributed()
+    import torch.distributed as dist
+
+    actor = Actor(load_causal_lm(model_dir), sequence_parallel_group=dist.group.WORLD if world > 1 else None)
+    engine = strategy.prepare(actor)
+    rows = global_rows(seed=3)[:4]
+    mb = pad_rows(rows)
+    mb["loss_mask"] = mb.pop("action_mask")
+    res = {"losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)]}
+    state = strategy.full_state_dict(engine.module.model)
+    if dist.get_rank() == 0:
+        torch.save(state, out / f"weights_sp_w{world}.pt")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -179,15 +228,19 @@ def main() -> None:
     args = ap.parse_args()
     from rlhf_learner.strategy import init_distributed
 
-    init_distributed(rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.port, timeout_s=120)
+    init_distributed(
+        rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.port, timeout_s=120
+    )
     out = Path(args.out)
     results: dict = {}
     if args.world == 1:
         results["z0"] = train(0, args.model, args.rank, args.world, out, extras=False)
+        results["sp"] = sequence_parallel_sft(args.model, args.world, out)
     else:
         results["ring"] = ring_checks(args.model, args.rank, args.world)
         results["z2"] = train(2, args.model, args.rank, args.world, out, extras=False)
         results["z3"] = train(3, args.model, args.rank, args.world, out, extras=True)
+        results["sp"] = sequence_parallel_sft(args.model, args.world, out)
     (out / f"results_w{args.world}_r{args.rank}.json").write_text(json.dumps(results))
 
 

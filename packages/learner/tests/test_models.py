@@ -7,8 +7,6 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from rlhf_learner.models import (
     Actor,
     ModelOptions,
@@ -20,6 +18,7 @@ from rlhf_learner.models import (
     load_reward_model,
     token_logprobs,
 )
+from transformers import AutoModelForCausalLM
 
 
 def test_token_logprobs_and_entropy_match_a_reference_loop():
@@ -68,7 +67,7 @@ def test_missing_and_non_causal_model_folders_are_rejected(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="does not exist"):
         load_causal_lm(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         load_causal_lm(tmp_path / "empty")
     enc = tmp_path / "encoder"
     shutil.copytree(tiny_model_dir, enc)

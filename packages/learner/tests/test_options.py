@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import pytest
-
 from rlhf_learner.strategy import StrategyOptions, build_ds_config
 
 
 def test_config_carries_every_option():
     opts = StrategyOptions(
-        zero_stage=3, offload_optimizer=True, offload_params=True, precision="bf16",
-        micro_batch_size=2, grad_accum_steps=4, grad_clip=0.5, lr=3e-4, weight_decay=0.1,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_params=True,
+        precision="bf16",
+        micro_batch_size=2,
+        grad_accum_steps=4,
+        grad_clip=0.5,
+        lr=3e-4,
+        weight_decay=0.1,
     )
     cfg = build_ds_config(opts)
     assert cfg["zero_optimization"]["stage"] == 3

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rlhf_learner.models import Actor, load_causal_lm
 from rlhf_learner.packing import balance_micro_batches, pack_sequences, plan_rows, unpack
 
 
 def _seqs(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(3, 400, (n,), generator=g), "w": torch.randn(n, generator=g)} for n in lengths]
+    return [
+        {"input_ids": torch.randint(3, 400, (n,), generator=g), "w": torch.randn(n, generator=g)}
+        for n in lengths
+    ]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -24,7 +26,9 @@ def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn):
     rows = packed.tensors
     assert rows["input_ids"].shape[0] < len(seqs)  # really packed: several sequences share a row
     out = actor(rows["input_ids"], position_ids=rows["position_ids"], return_entropy=True)
-    loss = sum((lp[1:] * s["w"][1:]).sum() for lp, s in zip(unpack(out.logp, packed.placement), seqs, strict=True))
+    loss = sum(
+        (lp[1:] * s["w"][1:]).sum() for lp, s in zip(unpack(out.logp, packed.placement), seqs, strict=True)
+    )
     actor.zero_grad()
     loss.backward()
     packed_grads = {n: p.grad.clone() for n, p in actor.named_parameters()}
@@ -35,7 +39,9 @@ def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn):
         o = actor(s["input_ids"][None], return_entropy=True)
         got = unpack(out.logp, packed.placement)[i]
         torch.testing.assert_close(got, o.logp[0].detach(), atol=2e-5, rtol=0)
-        torch.testing.assert_close(unpack(out.entropy, packed.placement)[i], o.entropy[0].detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(
+            unpack(out.entropy, packed.placement)[i], o.entropy[0].detach(), atol=2e-5, rtol=0
+        )
         ref_loss = ref_loss + (o.logp[0, 1:] * s["w"][1:]).sum()
     ref_loss.backward()
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LoraOptions", "apply_lora", "load_qlora_base", "merge_adapter", "merged_state_dict", "save_adapter"]
+__all__ = [
+    "LoraOptions",
+    "apply_lora",
+    "load_qlora_base",
+    "merge_adapter",
+    "merged_state_dict",
+    "save_adapter",
+]
 
 
 @dataclass(kw_only=True)
@@ -40,7 +48,9 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     """A peft model whose only trainable parameters are the adapters."""
     from peft import LoraConfig, get_peft_model
 
-    targets = options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
+    targets = (
+        options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
+    )
     config = LoraConfig(
         r=options.rank,
         lora_alpha=options.alpha,
@@ -69,10 +79,8 @@ def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir), safe_serialization=True)
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a base folder without a tokenizer is fine
         AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
-    except (OSError, ValueError):
-        pass
     return Path(out_dir)
 
 

@@ -80,9 +80,7 @@ def pack_sequences(
     width = max(sum(lengths[i] for i in row) for row in rows)
     width = -(-width // pad_to_multiple) * pad_to_multiple
     pad_values = dict(pad_values or {})
-    out = {
-        k: torch.full((len(rows), width), pad_values.get(k, 0), dtype=sequences[0][k].dtype) for k in keys
-    }
+    out = {k: torch.full((len(rows), width), pad_values.get(k, 0), dtype=sequences[0][k].dtype) for k in keys}
     pos = torch.zeros(len(rows), width, dtype=torch.long)
     placement: list[tuple[int, int, int]] = [(0, 0, 0)] * len(sequences)
     for r, row in enumerate(rows):

@@ -100,7 +100,9 @@ class _RingAttention(torch.autograd.Function):
                 s = torch.matmul(qf, kc.transpose(-1, -2)) * scale
                 if src == rank:
                     lq, lk = s.shape[-2:]
-                    s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+                    s = s.masked_fill(
+                        torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf")
+                    )
                 p = torch.exp(s - lse[..., None])
                 dv = dv + torch.matmul(p.transpose(-1, -2), dout)
                 ds = p * (torch.matmul(dout, vc.transpose(-1, -2)) - delta)
@@ -175,7 +177,9 @@ def split_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch
     group = group if group is not None else dist.group.WORLD
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if x.shape[dim] % size:
-        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by the {size} sequence-parallel ranks")
+        raise ValueError(
+            f"sequence length {x.shape[dim]} is not divisible by the {size} sequence-parallel ranks"
+        )
     return x.chunk(size, dim=dim)[rank]
 
 

@@ -61,14 +61,28 @@ class Actor(nn.Module):
 
     Inputs are either padded rows (``attention_mask``) or packed rows (``position_ids`` restarting at
     0 for each sequence and no ``attention_mask``; see :mod:`rlhf_learner.packing`).
+
+    With ``sequence_parallel_group`` every rank of that group gets the same full rows, computes its
+    contiguous chunk of the sequence with ring attention (:mod:`rlhf_learner.ring_attention`), and the
+    per-token results are gathered (differentiably) so each rank returns the full ``[B, T]``. Rows must
+    be right-padded (or unpadded); packing is not supported on this path. When the group is the whole
+    data-parallel world (pure sequence parallelism) the update steps need no change: every rank sees the
+    same loss, and DeepSpeed's gradient average over the group sums the chunks' contributions.
     """
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0) -> None:
+    def __init__(
+        self, model: nn.Module, *, temperature: float = 1.0, sequence_parallel_group: Any = None
+    ) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
         self.temperature = temperature
+        self.sp_group = sequence_parallel_group
+        if sequence_parallel_group is not None:
+            from rlhf_learner.ring_attention import use_ring_attention
+
+            use_ring_attention(model, sequence_parallel_group)
 
     @property
     def config(self) -> Any:
@@ -94,10 +108,16 @@ class Actor(nn.Module):
             packed = None
         else:
             packed = position_ids
+        if self.sp_group is not None:
+            if position_ids is not None and attention_mask is None:
+                raise ValueError("sequence parallelism: packed rows (position_ids) are not supported")
+            return self._ring_forward(input_ids, attention_mask, return_entropy)
         kwargs: dict[str, Any] = {}
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):
-                raise ValueError("aux_loss_coef: the model is not a mixture-of-experts model (no router logits)")
+                raise ValueError(
+                    "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
+                )
             kwargs["output_router_logits"] = True
         out = self.model(
             input_ids=input_ids,
@@ -113,6 +133,40 @@ class Actor(nn.Module):
             entropy = shift_to_inputs(entropy_from_logits(logits, temperature=self.temperature), packed)
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None
         return ActorOutput(logp, entropy, aux)
+
+    def _ring_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, return_entropy: bool
+    ) -> ActorOutput:
+        import torch.distributed as dist
+
+        from rlhf_learner.ring_attention import gather_sequence, split_sequence
+
+        if attention_mask is not None:
+            m = attention_mask.long()
+            if (m[:, 1:] > m[:, :-1]).any():
+                raise ValueError("sequence parallelism: attention_mask must be right-padded")
+        b, t = input_ids.shape
+        size = dist.get_world_size(self.sp_group)
+        width = -(-t // size) * size
+        ids = torch.nn.functional.pad(input_ids, (0, width - t))
+        nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        pos = torch.arange(width, device=ids.device).expand(b, width)
+        local = self.model(
+            input_ids=split_sequence(ids, group=self.sp_group),
+            position_ids=split_sequence(pos, group=self.sp_group),
+            use_cache=False,
+        ).logits
+        labels = split_sequence(nxt, group=self.sp_group)
+        # Column j of the gathered tensor predicts token j + 1; shift onto the inputs.
+        lp = gather_sequence(token_logprobs(local, labels, temperature=self.temperature), group=self.sp_group)
+        logp = shift_to_inputs(lp[:, : t - 1])
+        entropy = None
+        if return_entropy:
+            ent = gather_sequence(
+                entropy_from_logits(local, temperature=self.temperature), group=self.sp_group
+            )
+            entropy = shift_to_inputs(ent[:, : t - 1])
+        return ActorOutput(logp, entropy, None)
 
 
 def load_reference(

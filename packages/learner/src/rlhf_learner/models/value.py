@@ -55,7 +55,9 @@ class Critic(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         if not hasattr(model, "score"):
-            raise ValueError(f"{type(model).__name__} has no 'score' head; expected a *ForSequenceClassification")
+            raise ValueError(
+                f"{type(model).__name__} has no 'score' head; expected a *ForSequenceClassification"
+            )
         self.model = model
 
     @property
@@ -100,7 +102,9 @@ class RewardModel(Critic):
         if attention_mask is None and position_ids is None:
             attention_mask = torch.ones_like(input_ids)
         v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        scores = v.flatten()[last_token_index(attention_mask, None if attention_mask is not None else position_ids)]
+        scores = v.flatten()[
+            last_token_index(attention_mask, None if attention_mask is not None else position_ids)
+        ]
         if normalize if normalize is not None else getattr(self.config, "normalize_reward", False):
             scores = (scores - self.config.reward_mean) / self.config.reward_std
         return scores
@@ -126,7 +130,10 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
         )
     with zero3_construction(ds_config, cfg.get("model_type", "")):
         model = AutoModelForSequenceClassification.from_pretrained(
-            str(path), num_labels=1, dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+            str(path),
+            num_labels=1,
+            dtype=options.torch_dtype,
+            attn_implementation=options.attn_implementation,
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = cfg.get("eos_token_id")

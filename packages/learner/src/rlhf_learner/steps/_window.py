@@ -66,6 +66,7 @@ def run_window(
 ) -> StepResult:
     """Run forward/backward on each micro-batch and one optimizer step.
 
+    Tensors of each micro-batch are moved to the engine's device first.
     ``count(mb) -> (tokens, seqs)`` is summed over the window and all-reduced over the DP group
     once; ``compute(mb, counts) -> (loss, metrics)`` must return a loss already normalised by those
     global counts (so summing micro-batch gradients and averaging over ranks gives the gradient of the
@@ -81,6 +82,9 @@ def run_window(
     group = _dp_group(engine)
     dp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     device = engine.device
+    micro_batches = [
+        {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in micro_batches
+    ]
     tokens, seqs = 0.0, 0.0
     for mb in micro_batches:
         t, s = count(mb)

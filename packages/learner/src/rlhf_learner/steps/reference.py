@@ -21,6 +21,8 @@ def reference_logp(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_sequence_logp(model: Any, batch: Mapping[str, Any], *, mask_key: str = "loss_mask") -> torch.Tensor:
+def reference_sequence_logp(
+    model: Any, batch: Mapping[str, Any], *, mask_key: str = "loss_mask"
+) -> torch.Tensor:
     """``[B]`` summed log-probs of the masked tokens (what DPO / KTO steps take as ``ref_logp``)."""
     return sequence_logp(reference_logp(model, batch), batch[mask_key])

@@ -42,7 +42,11 @@ def sft_step(
     def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = engine(mb["input_ids"], **_model_inputs(mb))
         loss = sft_loss_fn(
-            out.logp, mb["loss_mask"], global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
+            out.logp,
+            mb["loss_mask"],
+            global_tokens=c.global_tokens,
+            global_seqs=c.global_seqs,
+            dp_size=c.dp_size,
         )
         return loss, {"nll": -(out.logp.detach() * mb["loss_mask"].to(out.logp.dtype)).sum()}
 
@@ -68,7 +72,10 @@ def reward_model_step(
         kw = {"margin": mb["margin"]} if "margin" in mb else {}
         losses = pair_loss_fn(scores[:p], scores[p:], **kw)
         acc = (scores[:p] > scores[p:]).to(losses.dtype)
-        return _per_seq_mean(losses, c), {"accuracy": acc.sum(), "margin": (scores[:p] - scores[p:]).detach().sum()}
+        return _per_seq_mean(losses, c), {
+            "accuracy": acc.sum(),
+            "margin": (scores[:p] - scores[p:]).detach().sum(),
+        }
 
     return run_window(engine, micro_batches, count=_rows(2), compute=compute)
 

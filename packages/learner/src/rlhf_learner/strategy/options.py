@@ -62,7 +62,12 @@ class StrategyOptions:
             raise ValueError(f"precision: expected one of {get_args(Precision)}, got {self.precision!r}")
         if self.optimizer not in get_args(OptimizerName):
             raise ValueError(f"optimizer: expected one of {get_args(OptimizerName)}, got {self.optimizer!r}")
-        for name in ("micro_batch_size", "grad_accum_steps", "tensor_parallel_size", "sequence_parallel_size"):
+        for name in (
+            "micro_batch_size",
+            "grad_accum_steps",
+            "tensor_parallel_size",
+            "sequence_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")

@@ -6,8 +6,9 @@ import contextlib
 import json
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ def set_seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def gather_params(params: Sequence[nn.Parameter]) -> ContextManager[None]:
+def gather_params(params: Sequence[nn.Parameter]) -> AbstractContextManager[None]:
     """Context in which ZeRO-3-partitioned ``params`` hold their full tensors (read-only: changes
     are not scattered back). Parameters that are not partitioned need nothing and pass through.
 
@@ -87,12 +88,12 @@ class Strategy:
     def ds_config(self, *, train: bool = True) -> dict[str, Any]:
         """The DeepSpeed config for a trained (``train=True``) or inference-only model."""
         config = build_ds_config(self.options, train=train)
-        dp = self.world_size // (self.options.tensor_parallel_size * self.options.sequence_parallel_size)
-        if dp < 1 or self.world_size % (self.options.tensor_parallel_size * self.options.sequence_parallel_size):
+        split = self.options.tensor_parallel_size * self.options.sequence_parallel_size
+        if self.world_size % split:
             raise ValueError(
-                f"world size {self.world_size} is not a multiple of tensor_parallel_size * sequence_parallel_size"
+                f"world size {self.world_size} is not a multiple of "
+                f"tensor_parallel_size * sequence_parallel_size = {split}"
             )
-        config["train_batch_size"] = self.options.micro_batch_size * self.options.grad_accum_steps * dp
         return config
 
     def prepare(
@@ -120,13 +121,15 @@ class Strategy:
         return engine
 
     @staticmethod
-    def gather(params: Sequence[nn.Parameter]) -> ContextManager[None]:
+    def gather(params: Sequence[nn.Parameter]) -> AbstractContextManager[None]:
         """See :func:`gather_params`."""
         return gather_params(params)
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def save_checkpoint(self, engine: Any, directory: str | Path, *, tag: str, client_state: dict | None = None) -> Path:
+    def save_checkpoint(
+        self, engine: Any, directory: str | Path, *, tag: str, client_state: dict | None = None
+    ) -> Path:
         """Save the engine (weights, optimizer, scheduler; sharded as trained) plus ``client_state``
         (plain caller state: step, data position, ...) and every rank's RNG state under
         ``directory/tag``. Collective: every rank must call it."""
@@ -179,7 +182,12 @@ class Strategy:
         return out
 
     def export_hf(
-        self, model: nn.Module, directory: str | Path, *, tokenizer: Any = None, dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        directory: str | Path,
+        *,
+        tokenizer: Any = None,
+        dtype: torch.dtype | None = None,
     ) -> Path:
         """Write a Hugging Face folder (``model.safetensors`` + config + generation config + tokenizer).
 
@@ -216,5 +224,3 @@ class Strategy:
         if dist.is_initialized():
             dist.barrier()
         return directory
-
-

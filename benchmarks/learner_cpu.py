@@ -1,0 +1,228 @@
+"""rlhf-learner on CPU: training tokens/s, packed vs padded, and ZeRO-3 on 2 ranks vs ZeRO-0 on 1.
+
+    uv run --no-sync python benchmarks/learner_cpu.py [--repeats 3]
+
+1. A length-skewed batch (64 sequences, lengths 16..512, most short) trained with SFT steps on one
+   process (ZeRO-0, gloo group of one): padded micro-batches (8 rows, padded to the longest row, in
+   data order) vs packed micro-batches (rows of up to 512 tokens, token-balanced over the same
+   number of micro-batches). Tokens/s counts real tokens only.
+2. The same packed batch on 2 gloo ranks with ZeRO-3 (1 thread each) vs one process with ZeRO-0
+   (2 threads): same global batch and optimizer steps.
+Prints medians over ``--repeats`` timed steps (after one warm-up step). CPU timings on a shared
+machine are noisy: the padded and packed steps are interleaved so load drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SEQS = 64
+MICRO = 8  # micro-batches per optimizer step
+ROW_TOKENS = 512
+
+
+def lengths(seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(SEQS, generator=g)
+    return [int(16 + 496 * x**3) for x in u.tolist()]  # skewed: median ~75, a few near 512
+
+
+def sequences(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for n in lengths(seed):
+        ids = torch.randint(3, 400, (n,), generator=g)
+        out.append({"input_ids": ids, "loss_mask": torch.ones(n, dtype=torch.bool)})
+    return out
+
+
+def padded_micro_batches(seqs):
+    per = len(seqs) // MICRO
+    mbs = []
+    for i in range(MICRO):
+        group = seqs[i * per : (i + 1) * per]
+        width = max(s["input_ids"].shape[0] for s in group)
+
+        def pad(t, width=width):
+            return torch.nn.functional.pad(t, (0, width - t.shape[0]))
+
+        mbs.append(
+            {
+                "input_ids": torch.stack([pad(s["input_ids"]) for s in group]),
+                "loss_mask": torch.stack([pad(s["loss_mask"]) for s in group]),
+                "attention_mask": torch.stack([pad(torch.ones_like(s["input_ids"])) for s in group]),
+            }
+        )
+    return mbs
+
+
+def packed_micro_batches(seqs, n_micro=MICRO):
+    from rlhf_learner.packing import balance_micro_batches, pack_sequences
+
+    groups = balance_micro_batches([s["input_ids"].shape[0] for s in seqs], n_micro)
+    mbs = []
+    for group in groups:
+        t = pack_sequences([seqs[i] for i in group], max_tokens_per_row=ROW_TOKENS).tensors
+        # The first token of each packed sequence has no prediction: keep the mask equal to padded.
+        t["loss_mask"] = t["loss_mask"] & (t["position_ids"] > 0)
+        mbs.append(t)
+    return mbs
+
+
+def timed_steps(engine, variants, repeats):
+    """Seconds per optimizer step for each list of micro-batches in ``variants``; the variants are
+    interleaved (A B A B ...) so that drifting machine load hits them alike. One warm-up step each."""
+    from rlhf_algos import sft_loss
+    from rlhf_learner.steps import sft_step
+
+    for mbs in variants:
+        sft_step(engine, mbs, sft_loss_fn=sft_loss)
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(repeats):
+        for i, mbs in enumerate(variants):
+            t0 = time.perf_counter()
+            sft_step(engine, mbs, sft_loss_fn=sft_loss)
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def build_model(path: Path) -> Path:
+    from rlhf_testkit import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return build_tiny_model(path, spec)
+
+
+def engine_for(model_dir, stage, gas):
+    from rlhf_learner.models import Actor, load_causal_lm
+    from rlhf_learner.strategy import Strategy, StrategyOptions
+
+    s = Strategy(StrategyOptions(zero_stage=stage, grad_accum_steps=gas, lr=1e-4))
+    return s.prepare(Actor(load_causal_lm(model_dir, ds_config=s.ds_config())))
+
+
+def worker(args) -> None:
+    from rlhf_learner.strategy import init_distributed
+
+    init_distributed(rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.port)
+    seqs = sequences()
+    n_micro = MICRO // args.world
+    share = packed_micro_batches(seqs, MICRO)[args.rank * n_micro : (args.rank + 1) * n_micro]
+    engine = engine_for(args.model, args.stage, n_micro)
+    (times,) = timed_steps(engine, [share], args.repeats)
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps(times))
+
+
+def run_workers(model_dir, stage, world, threads, repeats, tmp) -> list[float]:
+    from rlhf_learner.strategy import free_port
+
+    port, out = free_port(), Path(tmp) / f"times_{stage}_{world}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--stage",
+                str(stage),
+                "--model",
+                str(model_dir),
+                "--out",
+                str(out),
+                "--repeats",
+                str(repeats),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    errs = [p.communicate(timeout=1200)[1] for p in procs]
+    for p, err in zip(procs, errs, strict=True):
+        if p.returncode:
+            raise SystemExit(f"worker failed:\n{err[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--stage", type=int, default=0)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    seqs = sequences()
+    real = sum(s["input_ids"].shape[0] for s in seqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "model")
+        print(
+            f"batch: {SEQS} sequences, lengths {min(lengths())}..{max(lengths())} "
+            f"(median {int(statistics.median(lengths()))}), {real} real tokens; {MICRO} micro-batches per step"
+        )
+        padded = padded_micro_batches(seqs)
+        packed = packed_micro_batches(seqs)
+        pad_cells = sum(mb["input_ids"].numel() for mb in padded)
+        pack_cells = sum(mb["input_ids"].numel() for mb in packed)
+        print(f"token slots computed: padded {pad_cells}, packed {pack_cells}")
+
+        times = run_workers(model_dir, 0, 1, 2, args.repeats, tmp)  # ZeRO-0, 1 process, packed
+        from rlhf_learner.strategy import init_distributed
+
+        init_distributed()
+        engine = engine_for(model_dir, 0, MICRO)
+        t_pad, t_pack = timed_steps(engine, [padded, packed], args.repeats)
+        print(
+            f"seconds per step: padded {[round(t, 2) for t in t_pad]}, packed {[round(t, 2) for t in t_pack]}"
+        )
+        tps_pad, tps_pack = real / statistics.median(t_pad), real / statistics.median(t_pack)
+        print(
+            f"1 process, ZeRO-0: padded {tps_pad:8.0f} tok/s   packed {tps_pack:8.0f} tok/s   "
+            f"packed/padded = {tps_pack / tps_pad:.2f}x"
+        )
+
+        t_z3 = run_workers(model_dir, 3, 2, 1, args.repeats, tmp)
+        print(
+            f"seconds per step: ZeRO-0 x1 {[round(t, 2) for t in times]}, ZeRO-3 x2 {[round(t, 2) for t in t_z3]}"
+        )
+        tps_z0, tps_z3 = real / statistics.median(times), real / statistics.median(t_z3)
+        print(
+            f"packed, same global batch: ZeRO-0 1 process x 2 threads {tps_z0:8.0f} tok/s   "
+            f"ZeRO-3 2 ranks x 1 thread {tps_z3:8.0f} tok/s   ZeRO-3/ZeRO-0 = {tps_z3 / tps_z0:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
