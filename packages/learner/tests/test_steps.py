@@ -123,13 +123,24 @@ def test_sft_step_lowers_nll(dist_single, tiny_model_dir):
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_reward_model_step_separates_chosen_from_rejected(dist_single, tiny_model_dir):
+def test_reward_model_step_separates_chosen_from_rejected(dist_single, tiny_model_dir, tmp_path):
     engine = _engine(load_reward_model(tiny_model_dir))
     chosen, rejected = _rows(3, 8, 4), _rows(3, 8, 5)
     mb = {k: torch.cat([chosen[k], rejected[k]]) for k in ("input_ids", "attention_mask")}
     results = [reward_model_step(engine, [mb], pair_loss_fn=pairwise_rm_loss) for _ in range(6)]
     assert results[-1].loss < results[0].loss - 0.2
     assert results[-1].metrics["accuracy"] == 1.0
+
+    # Export with normalisation stats; the folder reloads as a reward model and as a critic's start.
+    engine.module.set_normalization(mean=0.25, std=3.0)
+    folder = Strategy(StrategyOptions()).export_hf(engine.module, tmp_path / "rm")
+    with torch.no_grad():
+        expect = engine.module(mb["input_ids"], attention_mask=mb["attention_mask"])
+        again = load_reward_model(folder)
+        torch.testing.assert_close(again(mb["input_ids"], attention_mask=mb["attention_mask"]), expect)
+        critic = load_critic(folder)
+        torch.testing.assert_close(critic.model.score.weight, engine.module.model.score.weight)
+    assert again.config.reward_mean == 0.25 and again.config.normalize_reward
 
 
 def _pairs(seed):
@@ -218,3 +229,45 @@ def test_offload_and_bf16_configurations_train(dist_single, tiny_model_dir, opts
     mb["loss_mask"] = mb.pop("action_mask")
     losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss), n=4)
     assert losses[-1] < losses[0] - 0.2
+
+
+def test_packed_micro_batch_gives_the_same_step_as_padded(dist_single, tiny_model_dir):
+    """The same sequences, padded or packed, give the same loss and the same SGD update."""
+    from rlhf_learner.packing import pack_sequences
+
+    g = torch.Generator().manual_seed(12)
+    seqs = []
+    for n in (9, 4, 13, 6):
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[0] = False  # the first token has no prediction in either layout
+        seqs.append({"input_ids": torch.randint(3, 400, (n,), generator=g), "loss_mask": mask})
+    width = 13
+    padded = {
+        "input_ids": torch.stack(
+            [torch.nn.functional.pad(s["input_ids"], (0, width - len(s["input_ids"]))) for s in seqs]
+        ),
+        "loss_mask": torch.stack(
+            [torch.nn.functional.pad(s["loss_mask"], (0, width - len(s["loss_mask"]))) for s in seqs]
+        ),
+        "attention_mask": torch.stack(
+            [
+                torch.nn.functional.pad(
+                    torch.ones(len(s["input_ids"]), dtype=torch.long), (0, width - len(s["input_ids"]))
+                )
+                for s in seqs
+            ]
+        ),
+    }
+    packed = pack_sequences(seqs, max_tokens_per_row=16).tensors
+    assert packed["input_ids"].shape[0] < len(seqs)
+    out = []
+    for mb in (padded, packed):
+        strategy = Strategy(StrategyOptions(zero_stage=0, grad_clip=None))
+        engine = strategy.prepare(
+            Actor(load_causal_lm(tiny_model_dir)), optimizer=lambda p: torch.optim.SGD(p, lr=1.0)
+        )
+        loss = sft_step(engine, [mb], sft_loss_fn=sft_loss).loss
+        out.append((loss, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
+    assert out[0][0] == pytest.approx(out[1][0], abs=1e-5)
+    for k in out[0][1]:
+        torch.testing.assert_close(out[0][1][k], out[1][1][k], atol=1e-5, rtol=0)
