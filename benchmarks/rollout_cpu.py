@@ -159,12 +159,20 @@ def bench_model(name: str, root: Path, args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     prompts = make_prompts(tokenizer, args.prompts)
     res = {"params": n_params}
+
+    def record(key, value):
+        res[key] = value
+        print(
+            f"[{name}] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[1] / value[0]:.0f} tok/s",
+            flush=True,
+        )
+
     if "vllm" in args.backends:
-        res["raw vLLM"] = raw_vllm(model_dir, prompts, args)
-        res["our vLLM (Ray actor + executor)"] = our_vllm(model_dir, prompts, tokenizer, args)
+        record("raw vLLM", raw_vllm(model_dir, prompts, args))
+        record("our vLLM (Ray actor + executor)", our_vllm(model_dir, prompts, tokenizer, args))
     if "transformers" in args.backends:
-        res["raw transformers"] = raw_hf(model, prompts, tokenizer.pad_token_id, args)
-        res["our transformers"] = our_hf(model, prompts, args)
+        record("raw transformers", raw_hf(model, prompts, tokenizer.pad_token_id, args))
+        record("our transformers", our_hf(model, prompts, args))
     return res
 
 

@@ -22,6 +22,8 @@ sys.path.insert(0, str(TESTS_DIR))  # for rollout_testutil and the test worker e
 
 from rollout_testutil import MAX_MODEL_LEN  # noqa: E402
 
+ON_CUDA = torch.cuda.is_available()
+
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
@@ -68,8 +70,10 @@ def vllm_client(ray_cluster, tiny_model_dir):
             max_model_len=MAX_MODEL_LEN,
             seed=0,
             worker_extension_cls="_file_weight_ext.FileWeightExtension",
+            **({"gpu_memory_utilization": 0.3} if ON_CUDA else {}),
         ),
         num_cpus_per_engine=0.5,
+        num_gpus_per_engine=0.4 if ON_CUDA else 0.0,
         env_vars={
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),

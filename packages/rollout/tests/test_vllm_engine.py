@@ -12,16 +12,19 @@ from rollout_testutil import reference_logprobs
 LONG_PROMPT = [1] + [40 + (i * 7) % 200 for i in range(47)]  # 3 full KV blocks: the prefix cache holds it
 
 
-def test_capabilities_say_cpu_has_no_sleep(vllm_client):
+def test_capabilities_say_what_is_missing(vllm_client):
     (caps,) = vllm_client.capabilities()
-    assert caps.backend == "vllm-cpu"
-    assert not caps.sleep and caps.weight_sync_extension and caps.prefix_cache
-    assert "no sleep mode" in caps.notes
+    assert caps.backend == ("vllm" if torch.cuda.is_available() else "vllm-cpu")
+    assert not caps.sleep and caps.weight_sync_extension and caps.prefix_cache and not caps.load_weights
+    reason = "needs enable_sleep_mode=True" if torch.cuda.is_available() else "CPU backend has no sleep mode"
+    assert reason in caps.notes
     engine = vllm_client.engines[0]
-    with pytest.raises(UnsupportedOperationError, match="CPU backend has no sleep mode"):
+    with pytest.raises(UnsupportedOperationError, match=reason):
         ray.get(engine.sleep.remote(level=1))
-    with pytest.raises(UnsupportedOperationError, match="CPU backend has no sleep mode"):
+    with pytest.raises(UnsupportedOperationError, match=reason):
         ray.get(engine.wake_up.remote())
+    with pytest.raises(UnsupportedOperationError, match="do not reach vLLM's worker process"):
+        ray.get(engine.load_weights.remote(named_tensors=[]))
 
 
 def _logprobs(client, temperature=0.8):

@@ -101,14 +101,13 @@ class MultiTurnExecutor(AgentExecutorBase):
         what = "the engine's max_model_len" if limit == engine_limit else "the executor's max_length"
         check_prompt_lengths(prompts, limit, what=what)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        eps = []
-        for i, p in enumerate(prompts):
-            for j in range(self.samples_per_prompt):
-                env = self.env_factory()
-                text = self.tokenizer.decode(list(p), skip_special_tokens=True)
-                eps.append(_Episode(i=i, j=j, env=env, tokens=list(p), params=self.params))
-                eps[-1].reset = env.reset(prompt=text, label=labels[i])
-        await asyncio.gather(*(e.reset for e in eps))
+        eps = [
+            _Episode(i=i, j=j, env=self.env_factory(), tokens=list(p), params=self.params)
+            for i, p in enumerate(prompts)
+            for j in range(self.samples_per_prompt)
+        ]
+        texts = [self.tokenizer.decode(list(p), skip_special_tokens=True) for p in prompts]
+        await asyncio.gather(*(e.env.reset(prompt=texts[e.i], label=labels[e.i]) for e in eps))
         for turn in range(self.max_turns):
             live = [e for e in eps if not e.finished]
             if not live:
@@ -180,7 +179,6 @@ class _Episode:
     last_finish: str = ""
     extra: dict[str, float] = field(default_factory=dict)
     turns: int = 0
-    reset: Any = None
 
     def trajectory(self, prompt_len: int) -> Trajectory:
         return Trajectory(

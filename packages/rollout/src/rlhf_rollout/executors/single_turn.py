@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from rlhf_rollout.executors.base import (
@@ -63,8 +64,6 @@ class SingleTurnExecutor(AgentExecutorBase):
         params = self.params
         chunk_params = params
         if params.seed is not None:  # same per-sample seeds whatever the chunking (vLLM)
-            from dataclasses import replace
-
             chunk_params = replace(params, seed=params.seed + lo * params.n)
         gens = await agenerate(self.engine, [list(p) for p in prompts[lo:hi]], chunk_params)
         flat: list[tuple[int, int, Generation]] = [

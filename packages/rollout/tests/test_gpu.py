@@ -1,0 +1,66 @@
+"""CUDA-only paths (skipped without CUDA): vLLM sleep mode, and tensor parallelism over Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rlhf_rollout import SamplingParams
+from rollout_testutil import PROMPTS, reference_logprobs
+
+
+@pytest.mark.gpu
+def test_vllm_sleep_and_wake_keep_generation(tiny_model_dir, hf_model):
+    from rlhf_rollout import VLLMEngine
+
+    engine = VLLMEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=512,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=0.2,
+    )
+    try:
+        assert engine.capabilities.sleep and engine.capabilities.backend == "vllm"
+        p = SamplingParams(temperature=0.8, max_new_tokens=16, n=2, seed=1)
+        before = engine.generate(PROMPTS, p)
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep(level=1)
+        assert torch.cuda.mem_get_info()[0] > free_awake  # memory really went back
+        engine.wake_up()
+        after = engine.generate(PROMPTS, p)
+        assert [[g.token_ids for g in r] for r in before] == [[g.token_ids for g in r] for r in after]
+        g = after[0][0]
+        ref = reference_logprobs(hf_model, PROMPTS[0], g.token_ids, temperature=0.8)
+        assert (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max() < 2e-3
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_vllm_tensor_parallel_engine_on_a_placement_group(ray_cluster, tiny_model_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for tensor_parallel_size=2")
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from rlhf_rollout import EngineClient, create_engines
+
+    pg = placement_group([{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    (engine,) = create_engines(
+        num_engines=1,
+        backend="vllm",
+        tensor_parallel_size=2,
+        engine_kwargs=dict(
+            model=str(tiny_model_dir), dtype="float32", max_model_len=512, gpu_memory_utilization=0.2
+        ),
+        placement_group=pg,
+        num_cpus_per_engine=0.2,
+    )
+    try:
+        out = EngineClient([engine], tensor_parallel_size=2).generate(
+            PROMPTS, SamplingParams(max_new_tokens=8, n=2)
+        )
+        assert len(out) == len(PROMPTS) and all(len(r) == 2 for r in out)
+    finally:
+        ray.kill(engine)
+        remove_placement_group(pg)
