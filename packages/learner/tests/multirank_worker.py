@@ -206,7 +206,7 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     strategy.setup_distributed()
     import torch.distributed as dist
 
-    actor = Actor(load_causal_lm(model_dir), sequence_parallel_group=dist.group.WORLD if world > 1 else None)
+    actor = Actor(load_causal_lm(model_dir), sequence_parallel_group=strategy.sequence_parallel_group())
     engine = strategy.prepare(actor)
     rows = global_rows(seed=3)[:4]
     mb = pad_rows(rows)
@@ -215,6 +215,26 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     state = strategy.full_state_dict(engine.module.model)
     if dist.get_rank() == 0:
         torch.save(state, out / f"weights_sp_w{world}.pt")
+    return res
+
+
+def tensor_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
+    """SFT steps with DeepSpeed AutoTP over all ranks (world 2) vs. one process (world 1)."""
+    from rlhf_algos import sft_loss
+    from rlhf_learner.steps import sft_step
+
+    strategy = Strategy(StrategyOptions(zero_stage=1, lr=1e-3, tensor_parallel_size=world))
+    strategy.setup_distributed()
+    engine = strategy.prepare(Actor(load_causal_lm(model_dir)))
+    mb = pad_rows(global_rows(seed=4)[:4])
+    mb["loss_mask"] = mb.pop("action_mask")
+    res = {"losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)]}
+    mlp = engine.module.model.model.layers[0].mlp.gate_proj.weight
+    res["gate_proj_shape"] = list(mlp.shape)
+    state = strategy.full_state_dict(engine.module.model)
+    res["gate_proj_full_shape"] = list(state["model.layers.0.mlp.gate_proj.weight"].shape)
+    if strategy.rank == 0:
+        torch.save(state, out / f"weights_tp_w{world}.pt")
     return res
 
 
@@ -236,11 +256,13 @@ def main() -> None:
     if args.world == 1:
         results["z0"] = train(0, args.model, args.rank, args.world, out, extras=False)
         results["sp"] = sequence_parallel_sft(args.model, args.world, out)
+        results["tp"] = tensor_parallel_sft(args.model, args.world, out)
     else:
         results["ring"] = ring_checks(args.model, args.rank, args.world)
         results["z2"] = train(2, args.model, args.rank, args.world, out, extras=False)
         results["z3"] = train(3, args.model, args.rank, args.world, out, extras=True)
         results["sp"] = sequence_parallel_sft(args.model, args.world, out)
+        results["tp"] = tensor_parallel_sft(args.model, args.world, out)
     (out / f"results_w{args.world}_r{args.rank}.json").write_text(json.dumps(results))
 
 

@@ -89,3 +89,19 @@ def test_sequence_parallel_training_on_two_ranks_matches_one_process(multirank):
     w = torch.load(multirank["out"] / "weights_sp_w2.pt")
     for k in w_ref:
         torch.testing.assert_close(w[k], w_ref[k], atol=1e-4, rtol=0)
+
+
+def test_autotp_on_two_ranks_matches_one_process(multirank):
+    """DeepSpeed AutoTP (tensor_parallel_size=2) shards the MLP over the ranks and trains like one process."""
+    ref = multirank["w1"][0]["tp"]
+    assert ref["gate_proj_shape"] == [256, 128]
+    for rank_result in multirank["w2"]:
+        tp = rank_result["tp"]
+        assert tp["gate_proj_shape"] == [128, 128]  # this rank's half
+        assert tp["gate_proj_full_shape"] == [256, 128]  # gathered for export / weight sync
+        assert tp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    w_ref = torch.load(multirank["out"] / "weights_tp_w1.pt")
+    w = torch.load(multirank["out"] / "weights_tp_w2.pt")
+    assert w.keys() == w_ref.keys()
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], atol=1e-4, rtol=0)

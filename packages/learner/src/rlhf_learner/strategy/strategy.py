@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -29,18 +29,40 @@ def set_seed(seed: int) -> None:
 
 
 def gather_params(params: Sequence[nn.Parameter]) -> AbstractContextManager[None]:
-    """Context in which ZeRO-3-partitioned ``params`` hold their full tensors (read-only: changes
-    are not scattered back). Parameters that are not partitioned need nothing and pass through.
+    """Context in which ``params`` hold their full tensors (read-only: changes are not scattered back).
 
-    This is the ``gather`` callable a weight-sync sender takes: it is applied per bucket, so the
-    whole model is never gathered at once.
+    Gathers ZeRO-3 partitions (``deepspeed.zero.GatheredParameters``) and DeepSpeed AutoTP shards
+    (each sharded layer is gathered whole, as DeepSpeed's own consolidation does). Parameters that
+    are neither pass through untouched. This is the ``gather`` callable a weight-sync sender takes: it
+    is applied per bucket, so the whole model is never gathered at once. Collective: every rank of the
+    model's group must enter it with the same parameters.
     """
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
+    zero3 = [p for p in params if hasattr(p, "ds_id")]
+    layers: dict[int, nn.Module] = {}
+    for p in params:
+        if getattr(p, "ds_is_replaced_module", False):
+            owner = getattr(getattr(p, "gather_params", None), "__self__", None)
+            if owner is None:
+                raise RuntimeError("a tensor-parallel parameter has no owning layer to gather it")
+            layers[id(owner)] = owner
+    if not zero3 and not layers:
         return contextlib.nullcontext()
+    return _gathered(zero3, list(layers.values()))
+
+
+@contextlib.contextmanager
+def _gathered(zero3: list[nn.Parameter], tp_layers: list[nn.Module]) -> Iterator[None]:
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    with contextlib.ExitStack() as stack:
+        if zero3:
+            stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
+        if tp_layers:
+            from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+            for layer in tp_layers:
+                stack.enter_context(GatherReplacedLayerParams(list(layer.parameters(recurse=False)), layer))
+        yield
 
 
 def _rng_state() -> dict[str, Any]:
@@ -95,6 +117,29 @@ class Strategy:
                 f"tensor_parallel_size * sequence_parallel_size = {split}"
             )
         return config
+
+    def sequence_parallel_group(self) -> Any:
+        """This rank's sequence-parallel group (blocks of ``sequence_parallel_size`` consecutive ranks),
+        or None when ``sequence_parallel_size == 1``. Collective: every rank must call it.
+
+        Ranks of one group must get the same micro-batches (they split each sequence between them).
+        The update steps need no change: the loss counts and DeepSpeed's gradient average run over the
+        whole world, and each rank's gradient carries ``sequence_parallel_size`` times its chunk's
+        contribution (the backward of the differentiable gather sums over the group), so the average is
+        the gradient of the data-parallel batch's loss."""
+        sp = self.options.sequence_parallel_size
+        if sp == 1:
+            return None
+        if self.world_size % sp:
+            raise ValueError(f"sequence_parallel_size {sp} does not divide the world size {self.world_size}")
+        if sp == self.world_size:
+            return dist.group.WORLD
+        mine = None
+        for start in range(0, self.world_size, sp):
+            group = dist.new_group(list(range(start, start + sp)))
+            if start <= self.rank < start + sp:
+                mine = group
+        return mine
 
     def prepare(
         self,
