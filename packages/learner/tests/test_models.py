@@ -132,3 +132,15 @@ def test_critic_values_and_reward_at_last_real_token(tiny_model_dir, tmp_path):
         torch.testing.assert_close(again(ids), (r_alone - 0.5) / 2.0, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="std"):
         rm.set_normalization(mean=0.0, std=0.0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
+    ids = torch.randint(3, 400, (2, 10), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for ckpt in (False, True):
+        actor = Actor(load_causal_lm(tiny_model_dir, options=ModelOptions(gradient_checkpointing=ckpt)))
+        actor.train()
+        actor(ids).logp.sum().backward()
+        grads.append({n: p.grad.clone() for n, p in actor.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-5)

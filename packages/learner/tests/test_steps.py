@@ -271,3 +271,34 @@ def test_packed_micro_batch_gives_the_same_step_as_padded(dist_single, tiny_mode
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-5)
     for k in out[0][1]:
         torch.testing.assert_close(out[0][1][k], out[1][1][k], atol=1e-5, rtol=0)
+
+
+def test_moe_router_aux_loss_is_added_with_its_coefficient(dist_single, tmp_path):
+    """A tiny mixture-of-experts model (Mixtral): ``aux_loss_coef`` adds the router's balancing loss."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "moe")
+    mb = _rows(2, 8, 13)
+    losses = []
+    for coef in (0.0, 1.0):
+        engine = _engine(Actor(load_causal_lm(tmp_path / "moe")), lr=1e-6)
+        mb["old_logp"] = reference_logp(engine, mb)
+        mb["advantages"] = torch.ones(2, 8)
+        r = ppo_actor_step(
+            engine, [mb], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, aux_loss_coef=coef
+        )
+        losses.append(r.loss)
+    # Same weights and data: the difference is the router loss (about 1 for balanced routing, here > 0.5).
+    assert losses[1] - losses[0] > 0.5
