@@ -1,18 +1,19 @@
 """Weight sync on CPU: plain memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcast.
 
-Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 5] [--bucket-mb 32] [--receivers 1]
+Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
 
 A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
 synced from this process (the sender) to receiver processes, each of which copies every tensor into
 its own model of the same shape, as an engine's load_weights does. Each figure is the median over
 ``--syncs`` syncs (after one warm-up), timed on the sender from the start of a sync until every
-receiver has finished loading it. GB/s counts the model's bytes once.
+receiver has finished loading it. GB/s counts the model's bytes once. The sender and receivers use
+``--threads`` torch threads each (default 1: on a 2-core machine two processes with two OpenMP
+threads each oversubscribe the cores); the memcpy limit uses the machine's default thread count.
 
 - memcpy: ``dst.copy_(src)`` for every tensor, in this process: the bound for any sync.
 - shm, gloo: ``WeightSender.send(model.named_parameters())`` with checksums, into ``copy_into(model)``.
-- per-parameter gloo: what OpenRLHF does on CPU-less-than-ideal paths: for every parameter one
-  ``broadcast`` on a (private) gloo group, the receiver allocating a tensor per parameter and then
-  loading it into its model.
+- per-parameter gloo: OpenRLHF's way: for every parameter one ``broadcast`` on a (private) gloo
+  group, the receiver allocating a tensor per parameter and then loading it into its model.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def make_model(fill: str) -> dict[str, torch.Tensor]:
     return {n: torch.zeros(s) for n, s in model_shapes().items()}
 
 
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,7 +86,8 @@ def private_gloo(port: int, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def receiver_main(rank: int, method: str, port: int, world: int, syncs: int) -> None:
+def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, threads: int) -> None:
+    torch.set_num_threads(threads)
     model = make_model("zeros")
     if method == "per-param gloo":
         pg = private_gloo(port, rank, world)
@@ -103,7 +115,10 @@ def receiver_main(rank: int, method: str, port: int, world: int, syncs: int) -> 
 def run_method(method: str, model: dict[str, torch.Tensor], args) -> list[float]:
     port, world, total = free_port(), args.receivers + 1, args.syncs + 1
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=receiver_main, args=(r, method, port, world, total)) for r in range(1, world)]
+    procs = [
+        ctx.Process(target=receiver_main, args=(r, method, port, world, total, args.threads))
+        for r in range(1, world)
+    ]
     for p in procs:
         p.start()
     times = []
@@ -122,7 +137,7 @@ def run_method(method: str, model: dict[str, torch.Tensor], args) -> list[float]
             master_port=port,
             world_size=world,
             timeout_s=120,
-            bucket_bytes=args.bucket_mb << 20,
+            bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20,
         )
         for _ in range(total):
             times.append(sender.send(model.items()).seconds)
@@ -136,41 +151,49 @@ def run_method(method: str, model: dict[str, torch.Tensor], args) -> list[float]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=int, default=32)
+    parser.add_argument("--syncs", type=int, default=7)
+    parser.add_argument("--bucket-mb", type=int, default=None, help="default: the transport's default")
     parser.add_argument("--receivers", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of sender and receivers")
     args = parser.parse_args()
     model = make_model("random")
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; model: {len(model)} fp32 tensors, "
         f"{sum(t.numel() for t in model.values()) / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; "
-        f"{args.receivers} receiver process(es); bucket {args.bucket_mb} MiB; median of {args.syncs} syncs"
+        f"{args.receivers} receiver process(es); buckets: "
+        f"{'transport default' if args.bucket_mb is None else f'{args.bucket_mb} MiB'}; median of {args.syncs} syncs"
     )
     dst = make_model("zeros")
-    memcpy = []
-    for _ in range(args.syncs + 1):
-        t0 = time.perf_counter()
+    flat = [t.view(-1).view(torch.uint8) for t in model.values()]
+
+    def copy_all() -> None:
         for name, tensor in model.items():
             dst[name].copy_(tensor)
-        memcpy.append(time.perf_counter() - t0)
-    flat = [t.view(-1).view(torch.uint8) for t in model.values()]
-    t0 = time.perf_counter()
-    for b in flat:
-        word_sum(b, 0, b.numel())
-    checksum_s = time.perf_counter() - t0
-    results = {"memcpy (in-process)": statistics.median(memcpy[1:])}
+
+    def checksum_all() -> None:
+        for b in flat:
+            word_sum(b, 0, b.numel())
+
+    default_threads = torch.get_num_threads()
+    results = {f"memcpy ({default_threads} thr)": median_s(copy_all, args.syncs)}
+    torch.set_num_threads(args.threads)
+    if args.threads != default_threads:
+        results[f"memcpy ({args.threads} thr)"] = median_s(copy_all, args.syncs)
+    checksum_s = median_s(checksum_all, args.syncs)
     for method in ("shm", "gloo", "per-param gloo"):
-        results[method if method == "per-param gloo" else f"{method} (bucketed)"] = statistics.median(
-            run_method(method, model, args)
-        )
-    base, per_param = results["memcpy (in-process)"], results["per-param gloo"]
-    print(f"{'method':<22} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18}")
+        name = method if method == "per-param gloo" else f"{method} (bucketed)"
+        results[name] = statistics.median(run_method(method, model, args))
+    torch.set_num_threads(default_threads)
+    base, per_param = results[f"memcpy ({default_threads} thr)"], results["per-param gloo"]
+    print(f"{'method':<20} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18}")
     for name, sec in results.items():
         print(
-            f"{name:<22} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {base / sec:>9.0%} {per_param / sec:>17.2f}x"
+            f"{name:<20} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {base / sec:>9.0%} {per_param / sec:>17.2f}x"
         )
-    print(f"checksum (word sum, one pass over the model): {nbytes / checksum_s / 1e9:.1f} GB/s")
+    print(
+        f"checksum (word sum, one pass over the model, {args.threads} thr): {nbytes / checksum_s / 1e9:.1f} GB/s"
+    )
 
 
 if __name__ == "__main__":

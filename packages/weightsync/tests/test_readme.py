@@ -20,7 +20,8 @@ def example(name: str) -> str:
 
 def test_readme_example_runs_and_the_engine_ends_with_the_learners_weights(tmp_path, free_port):
     learner, engine = example("learner"), example("engine")
-    assert len(learner.strip().splitlines()) <= 16 and len(engine.strip().splitlines()) <= 10
+    assert len([x for x in learner.splitlines() if x.strip()]) <= 14  # a whole training script
+    assert len([x for x in engine.splitlines() if x.strip()]) <= 10
     port = str(free_port())
     scripts = {
         "learner": learner.replace("29555", port)

@@ -141,32 +141,40 @@ class Rendezvous:
     def wait(self, keys: list[tuple[str, int]], *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks.
 
-        Waits in slices of at most ``POLL_S`` seconds; a missing peer on this host whose process has
-        exited fails the wait at once instead of at the timeout.
+        Polls the store (with a back-off from 0.1 ms to 2 ms during the first second, then to 50 ms),
+        and every ``POLL_S`` seconds checks whether a missing peer on this host has exited: a dead
+        peer fails the wait at once instead of at the timeout.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        names = [k for k, _ in keys]
+        t0 = time.monotonic()
+        deadline, next_check, delay = t0 + timeout, t0 + POLL_S, 1e-4
         while True:
-            step = min(POLL_S, max(deadline - time.monotonic(), 0.001))
             try:
-                self.store.wait([k for k, _ in keys], timedelta(seconds=step))
-                return
-            except Exception as exc:
-                try:
-                    missing = sorted({r for k, r in keys if not self.store.check([k])})
-                except Exception:
-                    raise WeightSyncError(
-                        f"rank {self.rank}: lost the weight-sync store while waiting for {what}: {exc}"
-                    ) from exc
-                if not missing:  # the keys appeared just as the wait gave up
+                if self.store.check(names):
                     return
-                dead = [r for r in missing if self._exited(r)]
-                if dead or time.monotonic() >= deadline:
-                    waited = timeout - max(deadline - time.monotonic(), 0.0)
-                    raise PeerTimeoutError(
-                        f"rank {self.rank}: waited {waited:.1f} s (timeout {timeout:.1f} s) for {what}; "
-                        f"no answer from {self.describe(missing)}"
-                    ) from exc
+                now = time.monotonic()
+                if now < next_check and now < deadline:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2e-3 if now - t0 < 1.0 else 5e-2)
+                    continue
+                missing = sorted({r for k, r in keys if not self.store.check([k])})
+            except Exception as exc:
+                raise WeightSyncError(
+                    f"rank {self.rank}: lost the weight-sync store while waiting for {what}: {exc}"
+                ) from exc
+            self.raise_if_gone(missing, what=what, waited=now - t0, timeout=timeout, final=now >= deadline)
+            next_check = now + POLL_S
+
+    def raise_if_gone(
+        self, missing: list[int], *, what: str, waited: float, timeout: float, final: bool
+    ) -> None:
+        """Raise PeerTimeoutError for ``missing`` ranks if ``final`` or if one of them has exited."""
+        if missing and (final or any(self.exited(r) for r in missing)):
+            raise PeerTimeoutError(
+                f"rank {self.rank}: waited {waited:.1f} s (timeout {timeout:.1f} s) for {what}; "
+                f"no answer from {self.describe(missing)}"
+            )
 
     def wait_ranks(
         self, prefix: str, ranks: Iterable[int], *, what: str, timeout_s: float | None = None
@@ -177,7 +185,8 @@ class Rendezvous:
         """``"rank 2 (pid 123 on this host, no longer running)"`` and the like."""
         return ", ".join(self._describe(r) for r in ranks)
 
-    def _exited(self, rank: int) -> bool:
+    def exited(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host and its process is gone."""
         peer = self.peers.get(rank)
         return peer is not None and peer["host"] == socket.gethostname() and not _alive(peer["pid"])
 

@@ -1,23 +1,44 @@
-"""Shared machinery of the memory-sharing transports (``shm``, ``cuda_ipc``): slots plus store handshakes.
+"""Shared machinery of the memory-sharing transports (``shm``, ``cuda_ipc``): slots plus flag handshakes.
 
-The sender owns ``num_slots`` buffers that every receiver has mapped. Bucket ``i`` lives in slot
-``i % num_slots``. The sender packs it in place and sets ``ready/i`` in the rendezvous store; each
-receiver waits for that key, reads the bucket where it lies (no copy), and sets ``consumed/i/rank``
-when its load callback is done; the sender waits for all of those before it packs bucket
-``i + num_slots`` into the same slot. With two slots, packing one bucket overlaps loading the other.
+The sender owns ``NUM_SLOTS`` buffers that every receiver has mapped; bucket ``i`` lives in slot
+``i % NUM_SLOTS``. Handshakes are int64 sequence numbers in a small shared-memory file, one 64-byte
+line each: ``ready[slot]`` (written by the sender) and ``consumed[rank]`` (written by receiver
+``rank``). Bucket ``i`` of sync ``n`` has sequence number ``n * 2**32 + i + 1``, so numbers only grow.
+
+- sender: pack bucket ``i`` into its slot, ``ready[slot] = seq(i)``; before packing bucket
+  ``i + NUM_SLOTS`` into the same slot, wait until every ``consumed[r] >= seq(i)``.
+- receiver: wait until ``ready[slot] >= seq(i)``, read the slot in place, ``consumed[rank] = seq(i)``.
+
+With two slots, packing one bucket overlaps loading the other. Waits poll the flags (back-off from
+20 us to 1 ms, 20 ms after a second), check every 0.2 s whether an awaited peer's process has exited,
+and give up after the sync timeout.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from rlhf_weightsync._rendezvous import Rendezvous
+from rlhf_weightsync._shmfile import share_file
 from rlhf_weightsync.errors import WeightSyncError
 from rlhf_weightsync.transport import Tamper
 
-__all__ = ["SlotTransport"]
+__all__ = ["NUM_SLOTS", "SlotTransport"]
+
+NUM_SLOTS = 2
+_LINE = 8  # int64 words per 64-byte line: each flag on its own cache line
+_LIVENESS_S = 0.2
+_barrier_lock = threading.Lock()
+
+
+def _barrier() -> None:
+    """A full memory barrier for this thread (a mutex acquire and release), ordering data and flags."""
+    with _barrier_lock:
+        pass
 
 
 class SlotTransport:
@@ -31,16 +52,22 @@ class SlotTransport:
         slots: list[torch.Tensor],
         device: torch.device,
         fence: Callable[[], None] = lambda: None,
-        on_close: Callable[[], None] = lambda: None,
     ) -> None:
         self.name, self.device = name, device
         self.tamper: Tamper | None = None
-        self._rdv, self._slots, self._fence, self._on_close = rdv, slots, fence, on_close
+        self._rdv, self._slots, self._fence = rdv, slots, fence
+        self._flags = share_file(rdv, f"{name}_flags", 64 * (NUM_SLOTS + rdv.world_size)).view(torch.int64)
         self._sync, self._sizes = -1, []
-        self._pending: list[int] = []  # sender: posted buckets not yet consumed by everyone
+        self._posted = -1  # sender: last bucket posted in this sync
 
-    def _key(self, what: str, index: int) -> str:
-        return f"{self.name}/{self._sync}/{what}/{index}"
+    def _seq(self, index: int) -> int:
+        return (self._sync << 32) + index + 1
+
+    def _ready(self, slot: int) -> int:
+        return int(self._flags[slot * _LINE])
+
+    def _consumed(self, rank: int) -> int:
+        return int(self._flags[(NUM_SLOTS + rank) * _LINE])
 
     def begin(self, sync: int, sizes: Sequence[int]) -> None:
         capacity = self._slots[0].numel() if self._slots else 0
@@ -49,48 +76,68 @@ class SlotTransport:
             raise WeightSyncError(
                 f"{self.name}: bucket {too_big[0]} needs {sizes[too_big[0]]} bytes, but the slots hold {capacity}"
             )
-        self._sync, self._sizes, self._pending = sync, list(sizes), []
+        self._sync, self._sizes, self._posted = sync, list(sizes), -1
+
+    def _poll(self, missing: Callable[[], list[int]], *, what: str) -> None:
+        if not missing():
+            _barrier()
+            return
+        timeout = self._rdv.timeout_s
+        t0 = time.monotonic()
+        next_check, delay = t0 + _LIVENESS_S, 2e-5
+        while True:
+            time.sleep(delay)
+            late = missing()
+            if not late:
+                _barrier()
+                return
+            now = time.monotonic()
+            delay = min(2 * delay, 1e-3 if now - t0 < 1.0 else 2e-2)
+            if now >= next_check or now - t0 >= timeout:
+                self._rdv.raise_if_gone(
+                    late, what=what, waited=now - t0, timeout=timeout, final=now - t0 >= timeout
+                )
+                next_check = now + _LIVENESS_S
+
+    def _await_consumed(self, index: int) -> None:
+        seq = self._seq(index)
+        self._poll(
+            lambda: [r for r in self._rdv.receivers if self._consumed(r) < seq],
+            what=f"{self.name}: receivers to consume bucket {index + 1}/{len(self._sizes)} of sync {self._sync}",
+        )
 
     # sender
     def acquire(self, index: int) -> torch.Tensor:
-        if index >= len(self._slots):
-            self._consumed(index - len(self._slots))
-        return self._slots[index % len(self._slots)][: self._sizes[index]]
+        if index >= NUM_SLOTS:
+            self._await_consumed(index - NUM_SLOTS)
+        return self._slots[index % NUM_SLOTS][: self._sizes[index]]
 
     def post(self, index: int) -> None:
-        self._fence()  # the bytes must be in the slot before anyone is told
-        self._rdv.set(self._key("ready", index))
-        self._pending.append(index)
+        self._fence()  # device writes must have landed before anyone is told
+        _barrier()
+        self._flags[(index % NUM_SLOTS) * _LINE] = self._seq(index)
+        self._posted = index
 
     def flush(self) -> None:
-        while self._pending:
-            self._consumed(self._pending[0])
-
-    def _consumed(self, index: int) -> None:
-        prefix = self._key("consumed", index)
-        self._rdv.wait_ranks(
-            prefix,
-            self._rdv.receivers,
-            what=f"{self.name}: receivers to consume bucket {index + 1}/{len(self._sizes)} of sync {self._sync}",
-        )
-        self._pending.remove(index)
-        self._rdv.delete([self._key("ready", index), *(f"{prefix}/{r}" for r in self._rdv.receivers)])
+        if self._posted >= 0:  # receivers consume in order: the last bucket implies all
+            self._await_consumed(self._posted)
 
     # receiver
     def wait(self, index: int) -> torch.Tensor:
-        self._rdv.wait(
-            [(self._key("ready", index), 0)],
+        seq, slot = self._seq(index), index % NUM_SLOTS
+        self._poll(
+            lambda: [0] if self._ready(slot) < seq else [],
             what=f"{self.name}: the sender's bucket {index + 1}/{len(self._sizes)} of sync {self._sync}",
         )
-        buf = self._slots[index % len(self._slots)][: self._sizes[index]]
+        buf = self._slots[slot][: self._sizes[index]]
         if self.tamper is not None:
             self.tamper(index, buf)
         return buf
 
     def release(self, index: int) -> None:
         self._fence()  # reads of the slot must be finished before the sender may overwrite it
-        self._rdv.set(f"{self._key('consumed', index)}/{self._rdv.rank}")
+        _barrier()
+        self._flags[(NUM_SLOTS + self._rdv.rank) * _LINE] = self._seq(index)
 
     def close(self) -> None:
         self._slots = []
-        self._on_close()

@@ -4,8 +4,8 @@ For an engine that shares the learner's GPU: the sender allocates ``num_slots`` 
 device once and publishes their IPC handles (``torch.multiprocessing.reductions.reduce_tensor``)
 through the rendezvous store; each receiver opens them once, on its local index of the same physical
 GPU (matched by UUID, so differing ``CUDA_VISIBLE_DEVICES`` are fine). Per bucket only handshakes
-travel (see ``_slots.py``): no bytes are copied between processes, and receivers load straight from
-the sender's buffer. Stream fences make the handshakes safe: the sender synchronizes its stream before
+travel (flags in host shared memory, see ``_slots.py``): no bytes are copied between processes, and
+receivers load straight from the sender's buffer. Stream fences make the handshakes safe: the sender synchronizes its stream before
 ``ready``, a receiver before ``consumed``.
 """
 
@@ -16,13 +16,12 @@ import pickle
 import torch
 
 from rlhf_weightsync._rendezvous import Rendezvous
-from rlhf_weightsync._slots import SlotTransport
+from rlhf_weightsync._slots import NUM_SLOTS, SlotTransport
 from rlhf_weightsync.errors import WeightSyncError
 from rlhf_weightsync.nccl import cuda_device
 
-__all__ = ["NUM_SLOTS", "connect"]
+__all__ = ["connect"]
 
-NUM_SLOTS = 2
 _DEVICE_ARG = 6  # position of the device index in rebuild_cuda_tensor's arguments
 
 

@@ -14,4 +14,5 @@ class ChecksumError(WeightSyncError):
 
 
 class PeerTimeoutError(WeightSyncError, TimeoutError):
-    """A peer did not answer within the timeout; the message names the peer(s) and what was awaited."""
+    """A peer did not answer within the timeout, or its process (on this host) exited while awaited;
+    the message names the peer(s), their pids and hosts, and what was awaited."""

@@ -72,8 +72,8 @@ class WeightReceiver:
         """Receive one sync and feed it to ``load_fn``; return its stats once the sender has been told.
 
         ``load_fn(named_tensors)`` is called once with an iterator of ``(name, tensor)`` in the
-        sender's order. Each bucket's checksums are verified before any of its tensors is yielded; a
-        mismatch raises :class:`~rlhf_weightsync.errors.ChecksumError` (naming the bucket and tensor)
+        sender's order. Nothing is yielded before its checksum is verified (on CPU each piece right
+        before it is yielded, on a GPU each bucket before any of its tensors); a mismatch raises :class:`~rlhf_weightsync.errors.ChecksumError` (naming the bucket and tensor)
         out of the iterator. Tensors are views of the transport's buffers (shared memory, a GPU slot,
         a receive buffer) and stay valid only until the iterator moves past their bucket: copy what
         must outlive that. Tensors split across buckets are assembled into a fresh tensor.
@@ -147,6 +147,7 @@ class _BucketStream:
         self.finished = False
         self.tensors_out = 0
         self.names_out = 0
+        self._per_piece = transport.device.type == "cpu"
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._items()
@@ -156,9 +157,21 @@ class _BucketStream:
         partial: torch.Tensor | None = None
         for index, bucket in enumerate(self.manifest.buckets):
             buf = self._take(index)
-            for piece in bucket.pieces:
+            # On CPU each piece is verified just before it is yielded (its bytes are then still in
+            # cache for the load callback's copy); on a GPU the whole bucket at once (one sync).
+            expected = (
+                buf[bucket.trailer_offset : bucket.nbytes].view(torch.int64).tolist()
+                if self._per_piece
+                else None
+            )
+            for i, piece in enumerate(bucket.pieces):
                 spec = tensors[piece.tensor]
-                view = buf[piece.offset : piece.offset + piece.count * spec.itemsize].view(spec.dtype)
+                nbytes = piece.count * spec.itemsize
+                if expected is not None:
+                    got = int(word_sum(buf, piece.offset, nbytes))
+                    if got != expected[i]:
+                        raise self._mismatch(index, i, got, expected[i])
+                view = buf[piece.offset : piece.offset + nbytes].view(spec.dtype)
                 if piece.count == spec.numel:
                     tensor = view.view(spec.shape)
                 else:
@@ -182,7 +195,8 @@ class _BucketStream:
     def _take(self, index: int) -> torch.Tensor:
         buf = self.transport.wait(index)
         self.next_bucket, self.held = index + 1, index
-        self._verify(index, buf)
+        if not self._per_piece:
+            self._verify(index, buf)
         return buf
 
     def _give(self, index: int) -> None:
@@ -198,13 +212,17 @@ class _BucketStream:
         bad = (got != expected).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
-            piece, spec = bucket.pieces[i], tensors[bucket.pieces[i].tensor]
-            raise ChecksumError(
-                f"bucket {index + 1}/{len(self.manifest.buckets)} of sync {self.sync} "
-                f"(version {self.manifest.version}): checksum mismatch in tensor {spec.name!r} "
-                f"(elements {piece.start}..{piece.start + piece.count} of {spec.numel}): "
-                f"got {int(got[i]) & (2**64 - 1):#018x}, expected {int(expected[i]) & (2**64 - 1):#018x}"
-            )
+            raise self._mismatch(index, i, int(got[i]), int(expected[i]))
+
+    def _mismatch(self, index: int, i: int, got: int, expected: int) -> ChecksumError:
+        piece = self.manifest.buckets[index].pieces[i]
+        spec = self.manifest.tensors[piece.tensor]
+        return ChecksumError(
+            f"bucket {index + 1}/{len(self.manifest.buckets)} of sync {self.sync} "
+            f"(version {self.manifest.version}): checksum mismatch in tensor {spec.name!r} "
+            f"(elements {piece.start}..{piece.start + piece.count} of {spec.numel}): "
+            f"got {got & (2**64 - 1):#018x}, expected {expected & (2**64 - 1):#018x}"
+        )
 
     def drain(self) -> None:
         """Release the held bucket and receive (unverified, unused) every bucket not yet taken."""

@@ -25,7 +25,14 @@ from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender"]
 
-DEFAULT_BUCKET_BYTES = 32 << 20
+DEFAULT_BUCKET_BYTES: dict[str, int] = {
+    "gloo": 32 << 20,
+    "shm": 8 << 20,
+    "nccl": 64 << 20,
+    "cuda_ipc": 64 << 20,
+}
+"""Per transport: shared-memory slots pipeline best with smaller buckets (measured, see the README);
+broadcasts amortise their per-call cost over larger ones."""
 
 GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
 """``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
@@ -39,8 +46,9 @@ class WeightSender:
     (at most ``connect_timeout_s``, default ``timeout_s``) for every receiver to join, and connects
     the transport. ``timeout_s`` bounds every wait of a sync: a receiver that dies or stalls makes
     :meth:`send` raise :class:`~rlhf_weightsync.errors.WeightSyncError` naming it, instead of hanging.
-    ``bucket_bytes`` (a multiple of 64, at least 4096) caps each bucket, checksum trailer included;
-    the ``shm`` and ``cuda_ipc`` transports keep two buckets' worth of shared memory mapped.
+    ``bucket_bytes`` (a multiple of 64, at least 4096; default per transport,
+    :data:`DEFAULT_BUCKET_BYTES`) caps each bucket, checksum trailer included; the ``shm`` and
+    ``cuda_ipc`` transports keep two buckets' worth of shared memory mapped.
     ``device``: the CUDA device of the ``nccl`` / ``cuda_ipc`` buffers (default: the current one).
     """
 
@@ -53,11 +61,12 @@ class WeightSender:
         world_size: int,
         timeout_s: float = 60.0,
         connect_timeout_s: float | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: unknown {transport!r}; expected one of {TRANSPORTS}")
+        bucket_bytes = DEFAULT_BUCKET_BYTES[transport] if bucket_bytes is None else bucket_bytes
         check_bucket_bytes(bucket_bytes)
         self.bucket_bytes = bucket_bytes
         self._rdv = Rendezvous(
