@@ -8,8 +8,9 @@ For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both
 2. our vLLM engine in its Ray actor, driven by ``SingleTurnExecutor`` (logprobs of every token),
 3. raw transformers ``generate`` (one left-padded batch of 128 rows),
 4. our ``TransformersEngine`` (logprobs of every token).
-Prints the median wall time over ``--repeats`` (after one warm-up), generated tokens per second,
-and the ratios ours / raw and vLLM / transformers.
+Raw and ours run interleaved (one warm-up each, then ``--repeats`` alternating rounds) so the load of a
+shared machine hits both alike. Prints median wall time, generated tokens and tokens per second, and
+the ratios ours / raw and vLLM / transformers (of median tok/s).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VLLM_OURS = "our vLLM (Ray actor + executor)"
 
 MODELS = {
     "tiny": {},
@@ -53,17 +56,29 @@ def make_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def timed(fn, repeats: int):
-    fn()  # warm-up
-    times, result = [], None
+def interleaved(runners: dict, repeats: int) -> dict:
+    """One warm-up each, then ``repeats`` rounds that run every runner once (so drift in the
+    machine's load hits all alike). Returns ``name -> (median seconds, median tokens, median tok/s)``."""
+    for fn in runners.values():
+        fn()
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in runners}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        for name, fn in runners.items():
+            t0 = time.perf_counter()
+            tokens = fn()
+            samples[name].append((time.perf_counter() - t0, tokens))
+    return {
+        name: (
+            statistics.median(t for t, _ in runs),
+            int(statistics.median(n for _, n in runs)),
+            statistics.median(n / t for t, n in runs),
+        )
+        for name, runs in samples.items()
+    }
 
 
 def raw_vllm(model_dir, prompts, args):
+    """``vllm.LLM.generate`` with default engine options; returns (run, close)."""
     import vllm
     from vllm.inputs import TokensPrompt
 
@@ -75,37 +90,33 @@ def raw_vllm(model_dir, prompts, args):
         outs = llm.generate(reqs, sp, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-    t, tokens = timed(run, args.repeats)
-    llm.llm_engine.engine_core.shutdown()
-    llm = None
-    gc.collect()
-    return t, tokens
+    return run, llm.llm_engine.engine_core.shutdown
 
 
 def our_vllm(model_dir, prompts, tokenizer, args):
+    """Our vLLM engine in a Ray actor, driven by SingleTurnExecutor; returns (run, close)."""
     import ray
     from rlhf_rollout import EngineClient, SamplingParams, SingleTurnExecutor, create_engines
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        (actor,) = create_engines(
-            num_engines=1,
-            backend="vllm",
-            engine_kwargs=dict(model=str(model_dir), dtype="float32", seed=0),
-            num_cpus_per_engine=1,
-            env_vars={"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
-        )
-        params = SamplingParams(temperature=1.0, n=args.samples, max_new_tokens=args.max_new_tokens)
-        ex = SingleTurnExecutor(engine=EngineClient([actor]), params=params, tokenizer=tokenizer)
+    (actor,) = create_engines(
+        num_engines=1,
+        backend="vllm",
+        engine_kwargs=dict(model=str(model_dir), dtype="float32", seed=0),
+        num_cpus_per_engine=1,
+        env_vars={"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
+    )
+    params = SamplingParams(temperature=1.0, n=args.samples, max_new_tokens=args.max_new_tokens)
+    ex = SingleTurnExecutor(engine=EngineClient([actor]), params=params, tokenizer=tokenizer)
 
-        def run():
-            return sum(t.response_len for t in ex.run(prompts))
+    def run():
+        return sum(t.response_len for t in ex.run(prompts))
 
-        result = timed(run, args.repeats)
+    def close():
         ray.get(actor.shutdown.remote())
-        return result
-    finally:
         ray.shutdown()
+
+    return run, close
 
 
 def raw_hf(model, prompts, pad_id, args):
@@ -133,7 +144,7 @@ def raw_hf(model, prompts, pad_id, args):
         done = (new == eos).int().cumsum(-1)
         return int(((done == 0) | ((done == 1) & (new == eos))).sum())  # tokens up to and including EOS
 
-    return timed(run, args.repeats)
+    return run
 
 
 def our_hf(model, prompts, args):
@@ -145,7 +156,7 @@ def our_hf(model, prompts, args):
     def run():
         return sum(len(g.token_ids) for row in engine.generate(prompts, params) for g in row)
 
-    return timed(run, args.repeats)
+    return run
 
 
 def bench_model(name: str, root: Path, args) -> dict:
@@ -159,20 +170,22 @@ def bench_model(name: str, root: Path, args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     prompts = make_prompts(tokenizer, args.prompts)
     res = {"params": n_params}
-
-    def record(key, value):
-        res[key] = value
-        print(
-            f"[{name}] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[1] / value[0]:.0f} tok/s",
-            flush=True,
-        )
-
     if "vllm" in args.backends:
-        record("raw vLLM", raw_vllm(model_dir, prompts, args))
-        record("our vLLM (Ray actor + executor)", our_vllm(model_dir, prompts, tokenizer, args))
+        raw_run, raw_close = raw_vllm(model_dir, prompts, args)
+        our_run, our_close = our_vllm(model_dir, prompts, tokenizer, args)
+        try:
+            res.update(interleaved({"raw vLLM": raw_run, VLLM_OURS: our_run}, args.repeats))
+        finally:
+            our_close()
+            raw_close()
+        gc.collect()
     if "transformers" in args.backends:
-        record("raw transformers", raw_hf(model, prompts, tokenizer.pad_token_id, args))
-        record("our transformers", our_hf(model, prompts, args))
+        runners = {"raw transformers": raw_hf(model, prompts, tokenizer.pad_token_id, args)}
+        runners["our transformers"] = our_hf(model, prompts, args)
+        res.update(interleaved(runners, args.repeats))
+    for key, value in res.items():
+        if key != "params":
+            print(f"[{name}] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[2]:.0f} tok/s", flush=True)
     return res
 
 
@@ -180,7 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--backends", default="vllm,transformers")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -198,8 +211,7 @@ def main() -> None:
         for key, value in res.items():
             if key == "params":
                 continue
-            t, tokens = value
-            tps[key] = tokens / t
+            t, tokens, tps[key] = value
             print(f"  {key:34s} {t:8.3f} {tokens:7d} {tps[key]:9.0f}")
         pairs = [
             ("our vLLM (Ray actor + executor)", "raw vLLM"),
