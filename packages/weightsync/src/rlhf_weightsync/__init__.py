@@ -11,7 +11,7 @@ from rlhf_weightsync.errors import ChecksumError, PeerTimeoutError, WeightSyncEr
 from rlhf_weightsync.layout import Manifest, TensorSpec, plan_buckets
 from rlhf_weightsync.loaders import copy_into
 from rlhf_weightsync.receiver import LoadFn, WeightReceiver
-from rlhf_weightsync.sender import DEFAULT_BUCKET_BYTES, GatherFn, WeightSender
+from rlhf_weightsync.sender import DEFAULT_BUCKET_BYTES, GatherFn, WeightSender, gather_along
 from rlhf_weightsync.stats import SyncStats
 from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName
 
@@ -33,5 +33,6 @@ __all__ = [
     "WeightSender",
     "WeightSyncError",
     "copy_into",
+    "gather_along",
     "plan_buckets",
 ]

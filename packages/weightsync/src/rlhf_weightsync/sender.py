@@ -23,7 +23,7 @@ from rlhf_weightsync.layout import (
 from rlhf_weightsync.stats import SyncStats
 from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender", "gather_along"]
 
 DEFAULT_BUCKET_BYTES: dict[str, int] = {
     "gloo": 32 << 20,
@@ -186,6 +186,28 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def gather_along(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    gather: GatherFn,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """On learner ranks other than the sender: enter the same per-bucket ``gather`` contexts, in the
+    same order, as :meth:`WeightSender.send` does on the sender, without sending anything.
+
+    ZeRO-3 gathers are collective over the learner's data-parallel group, so every learner rank must
+    take part while rank 0 sends. Pass the same tensors (in the same order), ``dtype`` and the
+    sender's ``bucket_bytes``: the bucket plan is a pure function of them. Returns the number of buckets.
+    """
+    specs, sources = collect(named_tensors, dtype)
+    buckets = plan_buckets(specs, bucket_bytes)
+    for bucket in buckets:
+        with gather(list({id(sources[p.tensor]): sources[p.tensor] for p in bucket.pieces}.values())):
+            pass
+    return len(buckets)
 
 
 def _pack(
