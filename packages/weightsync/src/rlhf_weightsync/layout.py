@@ -16,6 +16,7 @@ manifest is sent before any data, and a receiver knows every bucket's size befor
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ def dtype_from_name(name: str) -> torch.dtype:
     return attr
 
 
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -72,7 +78,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

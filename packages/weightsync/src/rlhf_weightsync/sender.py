@@ -117,6 +117,8 @@ class WeightSender:
             raise WeightSyncError("send() on a closed WeightSender")
         if self._broken:
             raise WeightSyncError(f"this sender is out of step with its receivers after: {self._broken}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
         if version is None:
             version = self._version + 1
         elif not isinstance(version, int) or version <= self._version:
