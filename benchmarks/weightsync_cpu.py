@@ -5,8 +5,9 @@ Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-
 A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
 synced from this process (the sender) to receiver processes, each of which copies every tensor into
 its own model of the same shape, as an engine's load_weights does. Each figure is the median over
-``--syncs`` syncs (after one warm-up), timed on the sender from the start of a sync until every
-receiver has finished loading it. GB/s counts the model's bytes once. The sender and receivers use
+``--syncs`` rounds (after one warm-up round); each round runs every method once, one after the
+other, so that all methods see the same background load. A sync is timed on the sender from its
+start until every receiver has finished loading it. GB/s counts the model's bytes once. The sender and receivers use
 ``--threads`` torch threads each (default 1: on a 2-core machine two processes with two OpenMP
 threads each oversubscribe the cores); the memcpy limit uses the machine's default thread count.
 
@@ -62,16 +63,6 @@ def make_model(fill: str) -> dict[str, torch.Tensor]:
     return {n: torch.zeros(s) for n, s in model_shapes().items()}
 
 
-def median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,41 +103,49 @@ def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, thr
     receiver.close()
 
 
-def run_method(method: str, model: dict[str, torch.Tensor], args) -> list[float]:
-    port, world, total = free_port(), args.receivers + 1, args.syncs + 1
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=receiver_main, args=(r, method, port, world, total, args.threads))
-        for r in range(1, world)
-    ]
-    for p in procs:
-        p.start()
-    times = []
-    if method == "per-param gloo":
-        pg = private_gloo(port, 0, world)
-        for _ in range(total):
-            t0 = time.perf_counter()
-            for tensor in model.values():
-                pg.broadcast(tensor, 0).wait()
-            pg.barrier().wait()
-            times.append(time.perf_counter() - t0)
-    else:
-        sender = WeightSender(
-            transport=method,
-            master_addr="127.0.0.1",
-            master_port=port,
-            world_size=world,
-            timeout_s=120,
-            bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20,
-        )
-        for _ in range(total):
-            times.append(sender.send(model.items()).seconds)
-        sender.close()
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{method}: receiver exited with {p.exitcode}")
-    return times[1:]
+class Method:
+    """One way of syncing, with its receiver processes started; ``once()`` times one sync."""
+
+    def __init__(self, method: str, model: dict[str, torch.Tensor], args) -> None:
+        self.method, self.model = method, model
+        port, world = free_port(), args.receivers + 1
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=receiver_main, args=(r, method, port, world, args.syncs + 1, args.threads))
+            for r in range(1, world)
+        ]
+        for p in self.procs:
+            p.start()
+        if method == "per-param gloo":
+            self.pg = private_gloo(port, 0, world)
+        else:
+            self.sender = WeightSender(
+                transport=method,
+                master_addr="127.0.0.1",
+                master_port=port,
+                world_size=world,
+                timeout_s=120,
+                connect_timeout_s=300,
+                bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20,
+            )
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        if self.method == "per-param gloo":
+            for tensor in self.model.values():
+                self.pg.broadcast(tensor, 0).wait()
+            self.pg.barrier().wait()
+        else:
+            self.sender.send(self.model.items())
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.method != "per-param gloo":
+            self.sender.close()
+        for p in self.procs:
+            p.join(timeout=120)
+            if p.exitcode != 0:
+                raise RuntimeError(f"{self.method}: receiver exited with {p.exitcode}")
 
 
 def main() -> None:
@@ -158,41 +157,61 @@ def main() -> None:
     args = parser.parse_args()
     model = make_model("random")
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    default_threads = torch.get_num_threads()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; model: {len(model)} fp32 tensors, "
+        f"torch {torch.__version__}; model: {len(model)} fp32 tensors, "
         f"{sum(t.numel() for t in model.values()) / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; "
-        f"{args.receivers} receiver process(es); buckets: "
-        f"{'transport default' if args.bucket_mb is None else f'{args.bucket_mb} MiB'}; median of {args.syncs} syncs"
+        f"{args.receivers} receiver process(es); {args.threads} torch thread(s) per sync process; buckets: "
+        f"{'transport default' if args.bucket_mb is None else f'{args.bucket_mb} MiB'}; "
+        f"median of {args.syncs} rounds, methods interleaved within each round"
     )
     dst = make_model("zeros")
     flat = [t.view(-1).view(torch.uint8) for t in model.values()]
 
-    def copy_all() -> None:
+    def copy_all() -> float:
+        t0 = time.perf_counter()
         for name, tensor in model.items():
             dst[name].copy_(tensor)
+        return time.perf_counter() - t0
 
-    def checksum_all() -> None:
+    def checksum_all() -> float:
+        t0 = time.perf_counter()
         for b in flat:
             word_sum(b, 0, b.numel())
+        return time.perf_counter() - t0
 
-    default_threads = torch.get_num_threads()
-    results = {f"memcpy ({default_threads} thr)": median_s(copy_all, args.syncs)}
-    torch.set_num_threads(args.threads)
-    if args.threads != default_threads:
-        results[f"memcpy ({args.threads} thr)"] = median_s(copy_all, args.syncs)
-    checksum_s = median_s(checksum_all, args.syncs)
-    for method in ("shm", "gloo", "per-param gloo"):
-        name = method if method == "per-param gloo" else f"{method} (bucketed)"
-        results[name] = statistics.median(run_method(method, model, args))
-    torch.set_num_threads(default_threads)
-    base, per_param = results[f"memcpy ({default_threads} thr)"], results["per-param gloo"]
+    methods = {name: Method(name, model, args) for name in ("shm", "gloo", "per-param gloo")}
+    rows = [
+        f"memcpy ({default_threads} thr)",
+        f"memcpy ({args.threads} thr)",
+        "shm",
+        "gloo",
+        "per-param gloo",
+    ]
+    times: dict[str, list[float]] = {row: [] for row in [*rows, "checksum"]}
+    for _ in range(args.syncs + 1):  # the first round warms up
+        torch.set_num_threads(default_threads)
+        times[rows[0]].append(copy_all())
+        torch.set_num_threads(args.threads)
+        times[rows[1]].append(copy_all())
+        times["checksum"].append(checksum_all())
+        for name, method in methods.items():
+            times[name].append(method.once())
+    for method in methods.values():
+        method.close()
+    med = {row: statistics.median(ts[1:]) for row, ts in times.items()}
+    limit = min(med[rows[0]], med[rows[1]])
+    labels = {"shm": "shm (bucketed)", "gloo": "gloo (bucketed)"}
     print(f"{'method':<20} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18}")
-    for name, sec in results.items():
+    for row in rows:
+        sec = med[row]
         print(
-            f"{name:<20} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {base / sec:>9.0%} {per_param / sec:>17.2f}x"
+            f"{labels.get(row, row):<20} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {limit / sec:>9.0%} "
+            f"{med['per-param gloo'] / sec:>17.2f}x"
         )
     print(
-        f"checksum (word sum, one pass over the model, {args.threads} thr): {nbytes / checksum_s / 1e9:.1f} GB/s"
+        f"('vs memcpy' is against the faster memcpy row.) checksum, one pass over the model: "
+        f"{nbytes / med['checksum'] / 1e9:.1f} GB/s"
     )
 
 

@@ -58,6 +58,9 @@ class WeightReceiver:
         self._sync = 0
         self._closed = False
         self._broken: str | None = None
+        # Where tensors split across buckets are assembled; kept between syncs on CPU (a fresh
+        # allocation per sync would page-fault through the largest tensors every time).
+        self._scratch: list[torch.Tensor] = []
 
     @property
     def rank(self) -> int:
@@ -93,7 +96,7 @@ class WeightReceiver:
         rdv.wait([(f"sync/{sync}/manifest", 0)], what=f"the sender to start sync {sync}", timeout_s=timeout_s)
         t0 = time.perf_counter()
         manifest = Manifest.from_bytes(rdv.get(f"sync/{sync}/manifest"))
-        stream = _BucketStream(manifest, self._transport, sync=sync, aliases=aliases)
+        stream = _BucketStream(manifest, self._transport, sync=sync, aliases=aliases, scratch=self._scratch)
         error: Exception | None = None
         try:
             self._transport.begin(sync, [b.nbytes for b in manifest.buckets])
@@ -110,6 +113,8 @@ class WeightReceiver:
         except BaseException as exc:
             self._broken = f"sync {sync} failed in transport: {type(exc).__name__}: {exc}"
             raise
+        if self._transport.device.type != "cpu":
+            self._scratch.clear()  # do not hold GPU memory between syncs
         status = "ok" if error is None else f"{type(error).__name__}: {error}"
         rdv.set(f"sync/{sync}/done/{self.rank}", status.encode())
         self._sync += 1
@@ -140,8 +145,17 @@ class WeightReceiver:
 class _BucketStream:
     """Iterator over one sync's tensors that pulls buckets from the transport as it goes."""
 
-    def __init__(self, manifest: Manifest, transport: Transport, *, sync: int, aliases: bool) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        transport: Transport,
+        *,
+        sync: int,
+        aliases: bool,
+        scratch: list[torch.Tensor],
+    ) -> None:
         self.manifest, self.transport, self.sync, self.aliases = manifest, transport, sync, aliases
+        self.scratch = scratch  # [] or [one flat uint8 buffer], shared with the receiver
         self.next_bucket = 0
         self.held: int | None = None
         self.finished = False
@@ -176,7 +190,7 @@ class _BucketStream:
                     tensor = view.view(spec.shape)
                 else:
                     if piece.start == 0:
-                        partial = torch.empty(spec.numel, dtype=spec.dtype, device=buf.device)
+                        partial = self._scratch_for(spec.nbytes, buf.device)[: spec.nbytes].view(spec.dtype)
                     assert partial is not None
                     partial[piece.start : piece.start + piece.count].copy_(view)
                     if piece.start + piece.count < spec.numel:
@@ -191,6 +205,12 @@ class _BucketStream:
                         yield alias, tensor
             self._give(index)
         self.finished = True
+
+    def _scratch_for(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if not self.scratch or self.scratch[0].numel() < nbytes or self.scratch[0].device != device:
+            self.scratch[:] = [torch.empty(0, dtype=torch.uint8)]  # free the old one first
+            self.scratch[0] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.scratch[0]
 
     def _take(self, index: int) -> torch.Tensor:
         buf = self.transport.wait(index)
