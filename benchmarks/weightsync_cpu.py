@@ -77,17 +77,22 @@ def private_gloo(port: int, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, threads: int) -> None:
+def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, threads: int, cpu_q) -> None:
     torch.set_num_threads(threads)
     model = make_model("zeros")
+    cpu = []
     if method == "per-param gloo":
         pg = private_gloo(port, rank, world)
         for _ in range(syncs):
+            pg.barrier().wait()  # the sender starts its clock here
+            c0 = time.process_time()
             for name, shape in model_shapes().items():
                 buf = torch.empty(shape)  # a fresh tensor per parameter, then loaded into the model
                 pg.broadcast(buf, 0).wait()
                 model[name].copy_(buf)
+            cpu.append(time.process_time() - c0)
             pg.barrier().wait()
+        cpu_q.put(cpu)
         return
     receiver = WeightReceiver(
         transport=method,
@@ -99,8 +104,11 @@ def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, thr
     )
     load = copy_into(model)
     for _ in range(syncs):
+        c0 = time.process_time()  # includes waiting for the sync to start: polling, negligible
         receiver.receive(load)
+        cpu.append(time.process_time() - c0)
     receiver.close()
+    cpu_q.put(cpu)
 
 
 class Method:
@@ -110,8 +118,11 @@ class Method:
         self.method, self.model = method, model
         port, world = free_port(), args.receivers + 1
         ctx = mp.get_context("spawn")
+        self.cpu_q = ctx.Queue()
         self.procs = [
-            ctx.Process(target=receiver_main, args=(r, method, port, world, args.syncs + 1, args.threads))
+            ctx.Process(
+                target=receiver_main, args=(r, method, port, world, args.syncs + 1, args.threads, self.cpu_q)
+            )
             for r in range(1, world)
         ]
         for p in self.procs:
@@ -129,23 +140,29 @@ class Method:
                 bucket_bytes=None if args.bucket_mb is None else args.bucket_mb << 20,
             )
 
-    def once(self) -> float:
-        t0 = time.perf_counter()
+    def once(self) -> tuple[float, float]:
+        """(wall seconds, sender CPU seconds) of one sync."""
+        if self.method == "per-param gloo":
+            self.pg.barrier().wait()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.method == "per-param gloo":
             for tensor in self.model.values():
                 self.pg.broadcast(tensor, 0).wait()
             self.pg.barrier().wait()
         else:
             self.sender.send(self.model.items())
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    def close(self) -> None:
+    def close(self) -> list[float]:
+        """The receivers' CPU seconds per sync (first receiver)."""
         if self.method != "per-param gloo":
             self.sender.close()
+        cpu = [self.cpu_q.get(timeout=120) for _ in self.procs]
         for p in self.procs:
             p.join(timeout=120)
             if p.exitcode != 0:
                 raise RuntimeError(f"{self.method}: receiver exited with {p.exitcode}")
+        return cpu[0]
 
 
 def main() -> None:
@@ -189,6 +206,7 @@ def main() -> None:
         "per-param gloo",
     ]
     times: dict[str, list[float]] = {row: [] for row in [*rows, "checksum"]}
+    send_cpu: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.syncs + 1):  # the first round warms up
         torch.set_num_threads(default_threads)
         times[rows[0]].append(copy_all())
@@ -196,18 +214,27 @@ def main() -> None:
         times[rows[1]].append(copy_all())
         times["checksum"].append(checksum_all())
         for name, method in methods.items():
-            times[name].append(method.once())
-    for method in methods.values():
-        method.close()
+            wall, cpu = method.once()
+            times[name].append(wall)
+            send_cpu[name].append(cpu)
+    recv_cpu = {name: method.close() for name, method in methods.items()}
     med = {row: statistics.median(ts[1:]) for row, ts in times.items()}
     limit = min(med[rows[0]], med[rows[1]])
     labels = {"shm": "shm (bucketed)", "gloo": "gloo (bucketed)"}
-    print(f"{'method':<20} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18}")
+    print(
+        f"{'method':<20} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18} "
+        f"{'CPU s send / recv':>18}"
+    )
     for row in rows:
         sec = med[row]
+        cpu = (
+            f"{statistics.median(send_cpu[row][1:]):.3f} / {statistics.median(recv_cpu[row][1:]):.3f}"
+            if row in methods
+            else ""
+        )
         print(
             f"{labels.get(row, row):<20} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {limit / sec:>9.0%} "
-            f"{med['per-param gloo'] / sec:>17.2f}x"
+            f"{med['per-param gloo'] / sec:>17.2f}x {cpu:>18}"
         )
     print(
         f"('vs memcpy' is against the faster memcpy row.) checksum, one pass over the model: "
