@@ -32,8 +32,7 @@ def _uuid(index: int) -> str:
 def connect(rdv: Rendezvous, *, bucket_bytes: int, device: torch.device | None) -> SlotTransport:
     from torch.multiprocessing.reductions import reduce_tensor
 
-    dev = cuda_device(device, "cuda_ipc")
-    torch.cuda.set_device(dev)
+    dev = cuda_device(device, "cuda_ipc")  # the caller's current device is left as it is
     if rdv.rank == 0:
         flat = torch.zeros(NUM_SLOTS * bucket_bytes, dtype=torch.uint8, device=dev)
         slots = list(flat.view(NUM_SLOTS, bucket_bytes).unbind(0))

@@ -31,8 +31,7 @@ def cuda_device(device: torch.device | str | None, transport: str) -> torch.devi
 
 
 def connect(rdv: Rendezvous, *, bucket_bytes: int, device: torch.device | None) -> BroadcastTransport:
-    dev = cuda_device(device, "nccl")
-    torch.cuda.set_device(dev)
+    dev = cuda_device(device, "nccl")  # the caller's current device is left as it is
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=rdv.timeout_s)
     try:
