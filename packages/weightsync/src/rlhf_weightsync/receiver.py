@@ -76,10 +76,12 @@ class WeightReceiver:
 
         ``load_fn(named_tensors)`` is called once with an iterator of ``(name, tensor)`` in the
         sender's order. Nothing is yielded before its checksum is verified (on CPU each piece right
-        before it is yielded, on a GPU each bucket before any of its tensors); a mismatch raises :class:`~rlhf_weightsync.errors.ChecksumError` (naming the bucket and tensor)
-        out of the iterator. Tensors are views of the transport's buffers (shared memory, a GPU slot,
-        a receive buffer) and stay valid only until the iterator moves past their bucket: copy what
-        must outlive that. Tensors split across buckets are assembled into a fresh tensor.
+        before it is yielded, on a GPU each bucket before any of its tensors); a mismatch raises
+        :class:`~rlhf_weightsync.errors.ChecksumError` (naming the bucket and tensor) out of the
+        iterator. Tensors are views of the transport's buffers (shared memory, a GPU slot, a receive
+        buffer) or, for tensors split across buckets, of a reused scratch buffer they are assembled
+        in: a yielded tensor may be overwritten once the iterator advances, so copy what must
+        outlive that (loading into a model does).
         ``aliases``: also yield tied names (after their primary name), sharing the same tensor.
         ``timeout_s``: how long to wait for the sender to start this sync (default: the
         receiver's ``timeout_s``).
@@ -112,6 +114,8 @@ class WeightReceiver:
             stream.drain()
         except BaseException as exc:
             self._broken = f"sync {sync} failed in transport: {type(exc).__name__}: {exc}"
+            if error is not None and error is not exc:
+                raise exc from error
             raise
         if self._transport.device.type != "cpu":
             self._scratch.clear()  # do not hold GPU memory between syncs
