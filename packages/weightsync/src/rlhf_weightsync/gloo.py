@@ -44,7 +44,7 @@ def connect(rdv: Rendezvous, *, bucket_bytes: int, device: torch.device | None) 
         raise ValueError(f"device: the gloo transport moves CPU buffers, got {device}")
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=rdv.timeout_s)
-    opts._devices = [_device(rdv.master_addr)]
+    opts._devices = [_device(rdv.master_addr), _device(rdv.master_addr)]
     opts._threads = 2
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", rdv.store), rdv.rank, rdv.world_size, opts)
