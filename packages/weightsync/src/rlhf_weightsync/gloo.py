@@ -3,7 +3,8 @@
 The group is built from the rendezvous store (``ProcessGroupGloo(store, rank, size, options)``),
 never from ``torch.distributed``'s default group, with the sync timeout on every operation. The
 gloo network interface follows ``GLOO_SOCKET_IFNAME`` when set; with a loopback ``master_addr`` all
-ranks use 127.0.0.1.
+ranks use 127.0.0.1. The group gets two gloo devices (two connection sets, two worker threads), so
+the broadcast of bucket ``i + 1`` can run while bucket ``i``'s finishes.
 """
 
 from __future__ import annotations
