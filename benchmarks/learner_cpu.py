@@ -6,8 +6,10 @@
    process (ZeRO-0, gloo group of one): padded micro-batches (8 rows, padded to the longest row, in
    data order) vs packed micro-batches (rows of up to 512 tokens, token-balanced over the same
    number of micro-batches). Tokens/s counts real tokens only.
-2. The same packed batch on 2 gloo ranks with ZeRO-3 (1 thread each) vs one process with ZeRO-0
-   (2 threads): same global batch and optimizer steps.
+2. The same packed batch on 2 gloo ranks with ZeRO-3 vs one process with ZeRO-0: same global batch
+   and optimizer steps (so ZeRO-3 uses 2 cores, ZeRO-0 one).
+Every process runs torch on 1 thread: on a shared 2-core machine, 2-thread runs were dominated by
+contention with other jobs (step times varied 5x).
 Prints medians over ``--repeats`` timed steps (after one warm-up step). CPU timings on a shared
 machine are noisy: the padded and packed steps are interleaved so load drift hits both alike.
 """
@@ -198,9 +200,10 @@ def main() -> None:
         pack_cells = sum(mb["input_ids"].numel() for mb in packed)
         print(f"token slots computed: padded {pad_cells}, packed {pack_cells}")
 
-        times = run_workers(model_dir, 0, 1, 2, args.repeats, tmp)  # ZeRO-0, 1 process, packed
+        times = run_workers(model_dir, 0, 1, 1, args.repeats, tmp)  # ZeRO-0, 1 process, packed
         from rlhf_learner.strategy import init_distributed
 
+        torch.set_num_threads(1)
         init_distributed()
         engine = engine_for(model_dir, 0, MICRO)
         t_pad, t_pack = timed_steps(engine, [padded, packed], args.repeats)
@@ -209,7 +212,7 @@ def main() -> None:
         )
         tps_pad, tps_pack = real / statistics.median(t_pad), real / statistics.median(t_pack)
         print(
-            f"1 process, ZeRO-0: padded {tps_pad:8.0f} tok/s   packed {tps_pack:8.0f} tok/s   "
+            f"1 process x 1 thread, ZeRO-0: padded {tps_pad:8.0f} tok/s   packed {tps_pack:8.0f} tok/s   "
             f"packed/padded = {tps_pack / tps_pad:.2f}x"
         )
 
@@ -219,7 +222,7 @@ def main() -> None:
         )
         tps_z0, tps_z3 = real / statistics.median(times), real / statistics.median(t_z3)
         print(
-            f"packed, same global batch: ZeRO-0 1 process x 2 threads {tps_z0:8.0f} tok/s   "
+            f"packed, same global batch: ZeRO-0 1 process x 1 thread {tps_z0:8.0f} tok/s   "
             f"ZeRO-3 2 ranks x 1 thread {tps_z3:8.0f} tok/s   ZeRO-3/ZeRO-0 = {tps_z3 / tps_z0:.2f}x"
         )
 

@@ -302,3 +302,13 @@ def test_moe_router_aux_loss_is_added_with_its_coefficient(dist_single, tmp_path
         losses.append(r.loss)
     # Same weights and data: the difference is the router loss (about 1 for balanced routing, here > 0.5).
     assert losses[1] - losses[0] > 0.5
+
+
+def test_checkpoint_errors_are_clear(dist_single, tiny_model_dir, tmp_path):
+    strategy = Strategy(StrategyOptions(zero_stage=0))
+    engine = strategy.prepare(Actor(load_causal_lm(tiny_model_dir)))
+    with pytest.raises(ValueError, match="does not exist"):
+        strategy.load_checkpoint(engine, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no 'latest' file"):
+        strategy.load_checkpoint(engine, tmp_path / "empty")

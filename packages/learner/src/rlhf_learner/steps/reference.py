@@ -16,8 +16,10 @@ __all__ = ["reference_logp", "reference_sequence_logp"]
 @torch.no_grad()
 def reference_logp(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     """``[B, T]`` per-token log-probs of ``batch["input_ids"]`` under ``model`` (an ``Actor`` or an
-    engine wrapping one), without gradients."""
-    return model(batch["input_ids"], **_model_inputs(batch)).logp.detach()
+    engine wrapping one), without gradients, on the model's device."""
+    device = next(model.parameters()).device
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return model(moved["input_ids"], **_model_inputs(moved)).logp.detach()
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed
 from rlhf_learner.strategy.options import OptimizerName, Precision, StrategyOptions, build_ds_config
-from rlhf_learner.strategy.strategy import Strategy, gather_params, set_seed
+from rlhf_learner.strategy.strategy import Strategy, gather_params, set_seed, unwrap_hf_model
 
 __all__ = [
     "OptimizerName",
@@ -15,4 +15,5 @@ __all__ = [
     "gather_params",
     "init_distributed",
     "set_seed",
+    "unwrap_hf_model",
 ]

@@ -17,7 +17,7 @@ from torch import nn
 from rlhf_learner.strategy.distributed import init_distributed
 from rlhf_learner.strategy.options import StrategyOptions, build_ds_config
 
-__all__ = ["Strategy", "gather_params", "set_seed"]
+__all__ = ["Strategy", "gather_params", "set_seed", "unwrap_hf_model"]
 
 
 def set_seed(seed: int) -> None:
@@ -63,6 +63,14 @@ def _gathered(zero3: list[nn.Parameter], tp_layers: list[nn.Module]) -> Iterator
             for layer in tp_layers:
                 stack.enter_context(GatherReplacedLayerParams(list(layer.parameters(recurse=False)), layer))
         yield
+
+
+def unwrap_hf_model(model: nn.Module) -> nn.Module:
+    """The transformers (or peft) model inside a DeepSpeed engine and/or a learner wrapper
+    (``Actor``, ``Critic``, ``RewardModel``): the module whose parameter names are the Hugging Face
+    checkpoint names, which is what a weight-sync sender should walk."""
+    m = getattr(model, "module", model)
+    return m if hasattr(m, "save_pretrained") else getattr(m, "model", m)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -242,8 +250,7 @@ class Strategy:
         """
         from safetensors.torch import save_file
 
-        hf = getattr(model, "module", model)
-        hf = getattr(hf, "model", hf) if not hasattr(hf, "save_pretrained") else hf
+        hf = unwrap_hf_model(model)
         state = self.full_state_dict(hf)
         if hasattr(hf, "peft_config"):
             from rlhf_learner.lora import merged_state_dict
