@@ -79,6 +79,14 @@ def test_stop_token_cuts_the_same_sample_and_finish_reasons(engine, tokenizer):
             assert len(g.token_ids) == 20 and tokenizer.eos_token_id not in g.token_ids
 
 
+def test_ignore_eos_generates_past_eos(engine, tokenizer):
+    p = SamplingParams(temperature=1.0, max_new_tokens=64, n=4, seed=0, ignore_eos=True)
+    out = [g for row in engine.generate(PROMPTS * 4, p) for g in row]
+    assert all(len(g.token_ids) == 64 and g.finish_reason == "length" for g in out)
+    # ~1/500 per token here, so a few of these 4096 tokens are EOS, and generation went on past them
+    assert any(tokenizer.eos_token_id in g.token_ids[:-1] for g in out)
+
+
 def test_bad_prompts_name_the_sample(engine):
     too_long = [1] * MAX_MODEL_LEN
     with pytest.raises(ValueError, match=r"prompt 1 has 512 tokens; the engine's max_model_len is 512"):

@@ -80,3 +80,17 @@ def test_capabilities_are_honest(hf_engine):
     with pytest.raises(UnsupportedOperationError, match="load_weights"):
         hf_engine.init_weight_sync(transport="gloo")
     hf_engine.reset_prefix_cache()  # documented no-op
+
+
+def test_no_hidden_truncation_of_the_distribution(hf_engine, hf_model):
+    """generate() fills unset options from global defaults (top_k=50); ours must stay off: with
+    top_k=0 some sampled tokens rank below the 50 most likely ones."""
+    p = SamplingParams(temperature=1.0, max_new_tokens=32, n=2, seed=0)
+    ranks = []
+    for prompt, row in zip(PROMPTS, hf_engine.generate(PROMPTS, p), strict=True):
+        for g in row:
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(-1, torch.tensor(g.token_ids)[:, None])
+            ranks += (logits > chosen).sum(-1).tolist()
+    assert max(ranks) >= 50

@@ -157,7 +157,8 @@ class TransformersEngine:
             top_k=0,
             top_p=1.0,
             max_new_tokens=max_new,
-            eos_token_id=sorted(stops) or None,
+            # an empty list, not None: generate fills None from the model's config (its EOS)
+            eos_token_id=sorted(stops),
             pad_token_id=self.pad_token_id,
         )
         recorder = _Recorder(params)
