@@ -312,3 +312,13 @@ def test_checkpoint_errors_are_clear(dist_single, tiny_model_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no 'latest' file"):
         strategy.load_checkpoint(engine, tmp_path / "empty")
+
+
+def test_offloaded_zero3_reference_gives_the_plain_reference_logprobs(dist_single, tiny_model_dir):
+    strategy = Strategy(StrategyOptions(zero_stage=3, offload_params=True))
+    ref = strategy.prepare(
+        load_reference(tiny_model_dir, ds_config=strategy.ds_config(train=False)), train=False
+    )
+    plain = load_reference(tiny_model_dir)
+    mb = _rows(2, 9, 14)
+    torch.testing.assert_close(reference_logp(ref, mb), reference_logp(plain, mb), atol=1e-5, rtol=0)
