@@ -50,6 +50,9 @@ def hf_engine(tiny_model_dir):
 def ray_cluster():
     import ray
 
+    if ray.is_initialized():  # another package's tests in the same session started one: share it
+        yield ray
+        return
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
