@@ -1,6 +1,7 @@
 """Weight sync on CPU: plain memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcast.
 
 Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
+     [--methods shm,shm delivery,...]
 
 A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
 synced from this process (the sender) to receiver processes, each of which copies every tensor into
@@ -12,7 +13,12 @@ start until every receiver has finished loading it. GB/s counts the model's byte
 threads each oversubscribe the cores); the memcpy limit uses the machine's default thread count.
 
 - memcpy: ``dst.copy_(src)`` for every tensor, in this process: the bound for any sync.
-- shm, gloo: ``WeightSender.send(model.named_parameters())`` with checksums, into ``copy_into(model)``.
+- shm, gloo -> model: ``WeightSender.send(model.named_parameters())`` with checksums, each receiver
+  loading into its model with ``copy_into(model)`` (end to end: the sender's pack copy plus the
+  receiver's load copy).
+- shm, gloo, delivery only: the same sync, but the receiver's load callback only takes every
+  (verified) tensor and keeps none: what the transport itself costs, comparable to one memcpy.
+  Tensors larger than a bucket are still assembled from their pieces in a scratch buffer.
 - per-parameter gloo: OpenRLHF's way: for every parameter one ``broadcast`` on a (private) gloo
   group, the receiver allocating a tensor per parameter and then loading it into its model.
 """
@@ -77,6 +83,24 @@ def private_gloo(port: int, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
+DELIVERY = " delivery"
+METHODS = ("shm", "shm delivery", "gloo", "gloo delivery", "per-param gloo")
+TRANSPORT = {m: m.removesuffix(DELIVERY) for m in METHODS}
+LABELS = {
+    "shm": "shm -> model",
+    "shm delivery": "shm, delivery only",
+    "gloo": "gloo -> model",
+    "gloo delivery": "gloo, delivery only",
+    "per-param gloo": "per-param gloo -> model",
+}
+
+
+def consume(named_tensors) -> None:
+    """A load callback that takes every (verified) tensor and keeps none: the transport's own cost."""
+    for _ in named_tensors:
+        pass
+
+
 def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, threads: int, cpu_q) -> None:
     torch.set_num_threads(threads)
     model = make_model("zeros")
@@ -95,14 +119,14 @@ def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, thr
         cpu_q.put(cpu)
         return
     receiver = WeightReceiver(
-        transport=method,
+        transport=TRANSPORT[method],
         master_addr="127.0.0.1",
         master_port=port,
         rank=rank,
         world_size=world,
         timeout_s=120,
     )
-    load = copy_into(model)
+    load = consume if method.endswith(DELIVERY) else copy_into(model)
     for _ in range(syncs):
         c0 = time.process_time()  # includes waiting for the sync to start: polling, negligible
         receiver.receive(load)
@@ -131,7 +155,7 @@ class Method:
             self.pg = private_gloo(port, 0, world)
         else:
             self.sender = WeightSender(
-                transport=method,
+                transport=TRANSPORT[method],
                 master_addr="127.0.0.1",
                 master_port=port,
                 world_size=world,
@@ -171,6 +195,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=None, help="default: the transport's default")
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of sender and receivers")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     args = parser.parse_args()
     model = make_model("random")
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
@@ -197,14 +222,11 @@ def main() -> None:
             word_sum(b, 0, b.numel())
         return time.perf_counter() - t0
 
-    methods = {name: Method(name, model, args) for name in ("shm", "gloo", "per-param gloo")}
-    rows = [
-        f"memcpy ({default_threads} thr)",
-        f"memcpy ({args.threads} thr)",
-        "shm",
-        "gloo",
-        "per-param gloo",
-    ]
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; expected a subset of {METHODS}")
+    methods = {name: Method(name, model, args) for name in args.methods.split(",")}
+    rows = [f"memcpy ({default_threads} thr)", f"memcpy ({args.threads} thr)", *methods]
     times: dict[str, list[float]] = {row: [] for row in [*rows, "checksum"]}
     send_cpu: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.syncs + 1):  # the first round warms up
@@ -220,9 +242,8 @@ def main() -> None:
     recv_cpu = {name: method.close() for name, method in methods.items()}
     med = {row: statistics.median(ts[1:]) for row, ts in times.items()}
     limit = min(med[rows[0]], med[rows[1]])
-    labels = {"shm": "shm (bucketed)", "gloo": "gloo (bucketed)"}
     print(
-        f"{'method':<20} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18} "
+        f"{'method':<24} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18} "
         f"{'CPU s send / recv':>18}"
     )
     for row in rows:
@@ -233,8 +254,8 @@ def main() -> None:
             else ""
         )
         print(
-            f"{labels.get(row, row):<20} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {limit / sec:>9.0%} "
-            f"{med['per-param gloo'] / sec:>17.2f}x {cpu:>18}"
+            f"{LABELS.get(row, row):<24} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {limit / sec:>9.0%} "
+            f"{med.get('per-param gloo', float('nan')) / sec:>17.2f}x {cpu:>18}"
         )
     print(
         f"('vs memcpy' is against the faster memcpy row.) checksum, one pass over the model: "

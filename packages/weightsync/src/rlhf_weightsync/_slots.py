@@ -1,15 +1,17 @@
 """Shared machinery of the memory-sharing transports (``shm``, ``cuda_ipc``): slots plus flag handshakes.
 
-The sender owns ``NUM_SLOTS`` buffers that every receiver has mapped; bucket ``i`` lives in slot
-``i % NUM_SLOTS``. Handshakes are int64 sequence numbers in a small shared-memory file, one 64-byte
+The sender owns a ring of ``len(slots)`` buffers (at least two) that every receiver has mapped;
+bucket ``i`` lives in slot ``i % len(slots)``. Handshakes are int64 sequence numbers in a small shared-memory file, one 64-byte
 line each: ``ready[slot]`` (written by the sender) and ``consumed[rank]`` (written by receiver
 ``rank``). Bucket ``i`` of sync ``n`` has sequence number ``n * 2**32 + i + 1``, so numbers only grow.
 
 - sender: pack bucket ``i`` into its slot, ``ready[slot] = seq(i)``; before packing bucket
-  ``i + NUM_SLOTS`` into the same slot, wait until every ``consumed[r] >= seq(i)``.
+  ``i + len(slots)`` into the same slot, wait until every ``consumed[r] >= seq(i)``.
 - receiver: wait until ``ready[slot] >= seq(i)``, read the slot in place, ``consumed[rank] = seq(i)``.
 
-With two slots, packing one bucket overlaps loading the other. Waits poll the flags (back-off from
+Packing one bucket overlaps loading another; with more, smaller slots the two sides run apart by
+up to ``len(slots) - 1`` buckets without waiting for each other, each touching a bucket that fits in
+its core's cache (``shm`` uses a ring of small slots, ``cuda_ipc`` two large ones). Waits poll the flags (back-off from
 10 us to 0.2 ms, so a hand-off costs little more than a wake-up; 20 ms once a wait exceeds a second),
 check every 0.2 s whether an awaited peer's process has exited, and give up after the sync timeout.
 """
@@ -27,9 +29,8 @@ from rlhf_weightsync._shmfile import share_file
 from rlhf_weightsync.errors import WeightSyncError
 from rlhf_weightsync.transport import Tamper
 
-__all__ = ["NUM_SLOTS", "SlotTransport"]
+__all__ = ["SlotTransport"]
 
-NUM_SLOTS = 2
 _LINE = 8  # int64 words per 64-byte line: each flag on its own cache line
 _LIVENESS_S = 0.2
 _barrier_lock = threading.Lock()
@@ -55,8 +56,11 @@ class SlotTransport:
     ) -> None:
         self.name, self.device = name, device
         self.tamper: Tamper | None = None
+        if len(slots) < 2:
+            raise ValueError(f"slots: a {name} transport needs at least two, got {len(slots)}")
         self._rdv, self._slots, self._fence = rdv, slots, fence
-        self._flags = share_file(rdv, f"{name}_flags", 64 * (NUM_SLOTS + rdv.world_size)).view(torch.int64)
+        self._n = len(slots)
+        self._flags = share_file(rdv, f"{name}_flags", 64 * (self._n + rdv.world_size)).view(torch.int64)
         self._sync, self._sizes = -1, []
         self._posted = -1  # sender: last bucket posted in this sync
 
@@ -67,7 +71,7 @@ class SlotTransport:
         return int(self._flags[slot * _LINE])
 
     def _consumed(self, rank: int) -> int:
-        return int(self._flags[(NUM_SLOTS + rank) * _LINE])
+        return int(self._flags[(self._n + rank) * _LINE])
 
     def begin(self, sync: int, sizes: Sequence[int]) -> None:
         capacity = self._slots[0].numel() if self._slots else 0
@@ -108,14 +112,14 @@ class SlotTransport:
 
     # sender
     def acquire(self, index: int) -> torch.Tensor:
-        if index >= NUM_SLOTS:
-            self._await_consumed(index - NUM_SLOTS)
-        return self._slots[index % NUM_SLOTS][: self._sizes[index]]
+        if index >= self._n:
+            self._await_consumed(index - self._n)
+        return self._slots[index % self._n][: self._sizes[index]]
 
     def post(self, index: int) -> None:
         self._fence()  # device writes must have landed before anyone is told
         _barrier()
-        self._flags[(index % NUM_SLOTS) * _LINE] = self._seq(index)
+        self._flags[(index % self._n) * _LINE] = self._seq(index)
         self._posted = index
 
     def flush(self) -> None:
@@ -124,7 +128,7 @@ class SlotTransport:
 
     # receiver
     def wait(self, index: int) -> torch.Tensor:
-        seq, slot = self._seq(index), index % NUM_SLOTS
+        seq, slot = self._seq(index), index % self._n
         self._poll(
             lambda: [0] if self._ready(slot) < seq else [],
             what=f"{self.name}: the sender's bucket {index + 1}/{len(self._sizes)} of sync {self._sync}",
@@ -137,7 +141,7 @@ class SlotTransport:
     def release(self, index: int) -> None:
         self._fence()  # reads of the slot must be finished before the sender may overwrite it
         _barrier()
-        self._flags[(NUM_SLOTS + self._rdv.rank) * _LINE] = self._seq(index)
+        self._flags[(self._n + self._rdv.rank) * _LINE] = self._seq(index)
 
     def close(self) -> None:
         self._slots = []

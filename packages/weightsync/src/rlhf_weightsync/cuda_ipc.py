@@ -16,11 +16,14 @@ import pickle
 import torch
 
 from rlhf_weightsync._rendezvous import Rendezvous
-from rlhf_weightsync._slots import NUM_SLOTS, SlotTransport
+from rlhf_weightsync._slots import SlotTransport
 from rlhf_weightsync.errors import WeightSyncError
 from rlhf_weightsync.nccl import cuda_device
 
-__all__ = ["connect"]
+__all__ = ["NUM_SLOTS", "connect"]
+
+NUM_SLOTS = 2
+"""GPU bucket buffers (each ``bucket_bytes``): one being packed while the other is loaded."""
 
 _DEVICE_ARG = 6  # position of the device index in rebuild_cuda_tensor's arguments
 

@@ -10,7 +10,7 @@ import torch
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.checksum import word_sum
 from rlhf_weightsync.errors import ChecksumError, WeightSyncError
-from rlhf_weightsync.layout import Manifest
+from rlhf_weightsync.layout import Manifest, TensorSpec
 from rlhf_weightsync.stats import SyncStats
 from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
 
@@ -81,7 +81,10 @@ class WeightReceiver:
         iterator. Tensors are views of the transport's buffers (shared memory, a GPU slot, a receive
         buffer) or, for tensors split across buckets, of a reused scratch buffer they are assembled
         in: a yielded tensor may be overwritten once the iterator advances, so copy what must
-        outlive that (loading into a model does).
+        outlive that (loading into a model does). If ``load_fn`` has a ``target_for(name)`` method
+        (as :func:`~rlhf_weightsync.loaders.copy_into`'s callback does) returning a contiguous tensor
+        of the wire dtype, shape and device, each verified piece of a split tensor is copied straight
+        into it instead, and that tensor is what is yielded (one copy fewer).
         ``aliases``: also yield tied names (after their primary name), sharing the same tensor.
         ``timeout_s``: how long to wait for the sender to start this sync (default: the
         receiver's ``timeout_s``).
@@ -98,7 +101,14 @@ class WeightReceiver:
         rdv.wait([(f"sync/{sync}/manifest", 0)], what=f"the sender to start sync {sync}", timeout_s=timeout_s)
         t0 = time.perf_counter()
         manifest = Manifest.from_bytes(rdv.get(f"sync/{sync}/manifest"))
-        stream = _BucketStream(manifest, self._transport, sync=sync, aliases=aliases, scratch=self._scratch)
+        stream = _BucketStream(
+            manifest,
+            self._transport,
+            sync=sync,
+            aliases=aliases,
+            scratch=self._scratch,
+            target_for=getattr(load_fn, "target_for", None),
+        )
         error: Exception | None = None
         try:
             self._transport.begin(sync, [b.nbytes for b in manifest.buckets])
@@ -157,9 +167,11 @@ class _BucketStream:
         sync: int,
         aliases: bool,
         scratch: list[torch.Tensor],
+        target_for: Callable[[str], torch.Tensor | None] | None = None,
     ) -> None:
         self.manifest, self.transport, self.sync, self.aliases = manifest, transport, sync, aliases
         self.scratch = scratch  # [] or [one flat uint8 buffer], shared with the receiver
+        self.target_for = target_for
         self.next_bucket = 0
         self.held: int | None = None
         self.finished = False
@@ -173,6 +185,7 @@ class _BucketStream:
     def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self.manifest.tensors
         partial: torch.Tensor | None = None
+        target: torch.Tensor | None = None
         for index, bucket in enumerate(self.manifest.buckets):
             buf = self._take(index)
             # On CPU each piece is verified just before it is yielded (its bytes are then still in
@@ -194,12 +207,20 @@ class _BucketStream:
                     tensor = view.view(spec.shape)
                 else:
                     if piece.start == 0:
-                        partial = self._scratch_for(spec.nbytes, buf.device)[: spec.nbytes].view(spec.dtype)
+                        target, partial = self._direct_target(spec, buf.device), None
+                        if target is None:
+                            partial = self._scratch_for(spec.nbytes, buf.device)[: spec.nbytes].view(
+                                spec.dtype
+                            )
+                        else:
+                            partial = target.detach().view(-1)
                     assert partial is not None
-                    partial[piece.start : piece.start + piece.count].copy_(view)
+                    with torch.no_grad():
+                        partial[piece.start : piece.start + piece.count].copy_(view)
                     if piece.start + piece.count < spec.numel:
                         continue
-                    tensor, partial = partial.view(spec.shape), None
+                    tensor = partial.view(spec.shape) if target is None else target
+                    partial = None
                 self.tensors_out += 1
                 self.names_out += 1
                 yield spec.name, tensor
@@ -209,6 +230,21 @@ class _BucketStream:
                         yield alias, tensor
             self._give(index)
         self.finished = True
+
+    def _direct_target(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+        """The load callback's own tensor for ``spec`` if split pieces can be copied straight into it."""
+        if self.target_for is None:
+            return None
+        dst = self.target_for(spec.name)
+        if (
+            dst is None
+            or dst.dtype != spec.dtype
+            or tuple(dst.shape) != spec.shape
+            or dst.device != device
+            or not dst.is_contiguous()
+        ):
+            return None
+        return dst
 
     def _scratch_for(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if not self.scratch or self.scratch[0].numel() < nbytes or self.scratch[0].device != device:

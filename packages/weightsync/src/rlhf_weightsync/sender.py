@@ -27,12 +27,16 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender", "gather_along"]
 
 DEFAULT_BUCKET_BYTES: dict[str, int] = {
     "gloo": 32 << 20,
-    "shm": 8 << 20,
+    "shm": 4 << 20,
     "nccl": 64 << 20,
     "cuda_ipc": 64 << 20,
 }
 """Per transport: shared-memory slots pipeline best with smaller buckets (measured, see the README);
 broadcasts amortise their per-call cost over larger ones."""
+
+_CHUNK = 1 << 20
+"""Pieces larger than this are packed in chunks of this many bytes (a multiple of every itemsize
+and of the checksum word), each summed right after it is copied, while it is in the core's cache."""
 
 GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
 """``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
@@ -48,7 +52,8 @@ class WeightSender:
     :meth:`send` raise :class:`~rlhf_weightsync.errors.WeightSyncError` naming it, instead of hanging.
     ``bucket_bytes`` (a multiple of 64, at least 4096; default per transport,
     :data:`DEFAULT_BUCKET_BYTES`) caps each bucket, checksum trailer included; the ``shm`` and
-    ``cuda_ipc`` transports keep two buckets' worth of shared memory mapped.
+    ``cuda_ipc`` transports keep four (``shm``) or two (``cuda_ipc``) buckets' worth of shared memory
+    mapped.
     ``device``: the CUDA device of the ``nccl`` / ``cuda_ipc`` buffers (default: the current one).
     """
 
@@ -225,11 +230,22 @@ def _pack(
                 f"planned (a ZeRO-3 parameter outside its gather? pass gather=...)"
             )
         nbytes = piece.count * spec.itemsize
-        dst = buf[piece.offset : piece.offset + nbytes].view(spec.dtype)
-        dst.copy_(src.detach().reshape(-1)[piece.start : piece.start + piece.count])
         tail = align(nbytes, WORD) - nbytes
         if tail:
             buf[piece.offset + nbytes : piece.offset + nbytes + tail].zero_()
-        sums.append(word_sum(buf, piece.offset, nbytes))
+        flat = src.detach().reshape(-1)[piece.start : piece.start + piece.count]
+        if nbytes <= _CHUNK:
+            buf[piece.offset : piece.offset + nbytes].view(spec.dtype).copy_(flat)
+            sums.append(word_sum(buf, piece.offset, nbytes))
+            continue
+        # a large piece: copy and sum it a cache-sized chunk at a time, each sum reading hot bytes
+        step, total = _CHUNK // spec.itemsize, None
+        for first in range(0, piece.count, step):
+            count = min(step, piece.count - first)
+            offset = piece.offset + first * spec.itemsize
+            buf[offset : offset + count * spec.itemsize].view(spec.dtype).copy_(flat[first : first + count])
+            part = word_sum(buf, offset, count * spec.itemsize)  # only the last chunk has a tail
+            total = part if total is None else total.add_(part)
+        sums.append(total)
     trailer = buf[bucket.trailer_offset : bucket.nbytes].view(torch.int64)
     trailer.copy_(torch.stack(sums))
