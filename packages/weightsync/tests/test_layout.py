@@ -153,28 +153,3 @@ def test_gather_is_applied_once_per_bucket_to_that_buckets_tensors(pair, run_in_
     assert calls == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
     assert all(p.numel() == 0 for p in params.values())
     assert all(torch.equal(got[n], t) for n, t in full.items())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
-def test_packing_large_pieces_in_chunks_gives_the_plain_checksums(dtype):
-    from rlhf_weightsync.sender import _CHUNK, _pack
-
-    gen = torch.Generator().manual_seed(3)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    numels = [3 * _CHUNK // itemsize + 3, 5, _CHUNK // itemsize, 2 * _CHUNK // itemsize - 1]
-    named = [(f"t{i}", torch.randint(-100, 100, (n,), generator=gen).to(dtype)) for i, n in enumerate(numels)]
-    specs, sources = collect(named, None)
-    bucket_bytes = 5 * _CHUNK  # the first tensor is split; pieces larger and smaller than a chunk
-    for bucket in plan_buckets(specs, bucket_bytes):
-        buf = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
-        _pack(buf, bucket, specs, sources)
-        trailer = buf[bucket.trailer_offset :].view(torch.int64)
-        for i, p in enumerate(bucket.pieces):
-            nbytes = p.count * specs[p.tensor].itemsize
-            src = sources[p.tensor][p.start : p.start + p.count]
-            assert torch.equal(buf[p.offset : p.offset + nbytes].view(dtype), src)
-            padded = torch.zeros(align(nbytes, 8), dtype=torch.uint8)
-            padded[:nbytes] = src.view(torch.uint8)
-            assert (
-                int(trailer[i]) == int(padded.view(torch.int64).sum()) == int(word_sum(buf, p.offset, nbytes))
-            )

@@ -34,10 +34,6 @@ DEFAULT_BUCKET_BYTES: dict[str, int] = {
 """Per transport: shared-memory slots pipeline best with smaller buckets (measured, see the README);
 broadcasts amortise their per-call cost over larger ones."""
 
-_CHUNK = 1 << 20
-"""Pieces larger than this are packed in chunks of this many bytes (a multiple of every itemsize
-and of the checksum word), each summed right after it is copied, while it is in the core's cache."""
-
 GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
 """``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
 ``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3. Applied once per bucket."""
@@ -230,22 +226,11 @@ def _pack(
                 f"planned (a ZeRO-3 parameter outside its gather? pass gather=...)"
             )
         nbytes = piece.count * spec.itemsize
+        dst = buf[piece.offset : piece.offset + nbytes].view(spec.dtype)
+        dst.copy_(src.detach().reshape(-1)[piece.start : piece.start + piece.count])
         tail = align(nbytes, WORD) - nbytes
         if tail:
             buf[piece.offset + nbytes : piece.offset + nbytes + tail].zero_()
-        flat = src.detach().reshape(-1)[piece.start : piece.start + piece.count]
-        if nbytes <= _CHUNK:
-            buf[piece.offset : piece.offset + nbytes].view(spec.dtype).copy_(flat)
-            sums.append(word_sum(buf, piece.offset, nbytes))
-            continue
-        # a large piece: copy and sum it a cache-sized chunk at a time, each sum reading hot bytes
-        step, total = _CHUNK // spec.itemsize, None
-        for first in range(0, piece.count, step):
-            count = min(step, piece.count - first)
-            offset = piece.offset + first * spec.itemsize
-            buf[offset : offset + count * spec.itemsize].view(spec.dtype).copy_(flat[first : first + count])
-            part = word_sum(buf, offset, count * spec.itemsize)  # only the last chunk has a tail
-            total = part if total is None else total.add_(part)
-        sums.append(total)
+        sums.append(word_sum(buf, piece.offset, nbytes))
     trailer = buf[bucket.trailer_offset : bucket.nbytes].view(torch.int64)
     trailer.copy_(torch.stack(sums))
