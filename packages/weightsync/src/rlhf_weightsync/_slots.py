@@ -1,19 +1,19 @@
 """Shared machinery of the memory-sharing transports (``shm``, ``cuda_ipc``): slots plus flag handshakes.
 
 The sender owns a ring of ``len(slots)`` buffers (at least two) that every receiver has mapped;
-bucket ``i`` lives in slot ``i % len(slots)``. Handshakes are int64 sequence numbers in a small shared-memory file, one 64-byte
-line each: ``ready[slot]`` (written by the sender) and ``consumed[rank]`` (written by receiver
-``rank``). Bucket ``i`` of sync ``n`` has sequence number ``n * 2**32 + i + 1``, so numbers only grow.
+bucket ``i`` lives in slot ``i % len(slots)``. Handshakes are int64 sequence numbers in a small
+shared-memory file, one 64-byte line each: ``ready[slot]`` (written by the sender) and
+``consumed[rank]`` (written by receiver ``rank``). Bucket ``i`` of sync ``n`` has sequence number
+``n * 2**32 + i + 1``, so numbers only grow.
 
 - sender: pack bucket ``i`` into its slot, ``ready[slot] = seq(i)``; before packing bucket
   ``i + len(slots)`` into the same slot, wait until every ``consumed[r] >= seq(i)``.
 - receiver: wait until ``ready[slot] >= seq(i)``, read the slot in place, ``consumed[rank] = seq(i)``.
 
-Packing one bucket overlaps loading another; with more, smaller slots the two sides run apart by
-up to ``len(slots) - 1`` buckets without waiting for each other, each touching a bucket that fits in
-its core's cache (``shm`` uses a ring of small slots, ``cuda_ipc`` two large ones). Waits poll the flags (back-off from
-10 us to 0.2 ms, so a hand-off costs little more than a wake-up; 20 ms once a wait exceeds a second),
-check every 0.2 s whether an awaited peer's process has exited, and give up after the sync timeout.
+Packing one bucket overlaps loading another; with ``len(slots)`` slots the two sides run up to
+``len(slots) - 1`` buckets apart without waiting for each other (``shm`` uses a ring of four,
+``cuda_ipc`` two). Waits poll the flags (back-off from 10 us to 0.2 ms, so a hand-off costs little
+more than a wake-up; 20 ms once a wait exceeds a second), check every 0.2 s whether an awaited peer's process has exited, and give up after the sync timeout.
 """
 
 from __future__ import annotations
