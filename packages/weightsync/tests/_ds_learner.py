@@ -57,7 +57,7 @@ def main() -> None:
             master_addr="127.0.0.1",
             master_port=cfg["sync_port"],
             world_size=2,
-            timeout_s=60,
+            timeout_s=120,
             bucket_bytes=cfg["bucket_bytes"],
         )
         stats = sender.send(params, dtype=torch.bfloat16, gather=gather)

@@ -17,7 +17,10 @@ BUCKET = 16 << 10  # small: the 38 KB / 77 KB weights span several buckets
 
 def test_zero3_learner_sends_gathered_weights_bucket_by_bucket(peers, free_port, tmp_path):
     sync_port, ds_port = free_port(), free_port()
-    peers.spawn(transport="gloo", port=sync_port, rank=1, world=2, syncs=1, timeout=120)
+    while ds_port == sync_port:
+        ds_port = free_port()
+    # generous timeouts: both learners import DeepSpeed before the sender hosts the group
+    peers.spawn(transport="gloo", port=sync_port, rank=1, world=2, syncs=1, timeout=300)
     learners = [
         subprocess.Popen(
             [sys.executable, str(LEARNER), json.dumps(cfg)],
@@ -37,7 +40,7 @@ def test_zero3_learner_sends_gathered_weights_bucket_by_bucket(peers, free_port,
         )
     ]
     try:
-        logs = [p.communicate(timeout=240)[0] for p in learners]
+        logs = [p.communicate(timeout=360)[0] for p in learners]
     finally:
         for p in learners:
             p.kill()
