@@ -4,7 +4,7 @@ Run: uv run --no-sync python benchmarks/rollout_cpu.py [--models tiny,small] [--
 
 For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both random, float32):
 32 prompts x 4 samples x up to 64 new tokens, temperature 1, EOS allowed (ragged lengths), timed as
-1. raw ``vllm.LLM.generate`` (default engine options, no logprobs),
+1. raw ``vllm.LLM.generate`` (default engine options), without and with per-token logprobs,
 2. our vLLM engine in its Ray actor, driven by ``SingleTurnExecutor`` (logprobs of every token),
 3. raw transformers ``generate`` (one left-padded batch of 128 rows),
 4. our ``TransformersEngine`` (logprobs of every token).
@@ -16,6 +16,7 @@ the ratios ours / raw and vLLM / transformers (of median tok/s).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -30,6 +31,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VLLM_OURS = "our vLLM (Ray actor + executor)"
+RAW_VLLM_LOGPROBS = "raw vLLM + logprobs"
 
 MODELS = {
     "tiny": {},
@@ -78,19 +80,23 @@ def interleaved(runners: dict, repeats: int) -> dict:
 
 
 def raw_vllm(model_dir, prompts, args):
-    """``vllm.LLM.generate`` with default engine options; returns (run, close)."""
+    """``vllm.LLM.generate`` with default engine options, without and with per-token logprobs (the
+    work an RL rollout needs); returns (run, run_with_logprobs, close)."""
     import vllm
     from vllm.inputs import TokensPrompt
 
     llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0)
     sp = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens)
+    sp_logprobs = vllm.SamplingParams(
+        n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens, logprobs=0, flat_logprobs=True
+    )
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
-    def run():
-        outs = llm.generate(reqs, sp, use_tqdm=False)
+    def run(sampling=sp):
+        outs = llm.generate(reqs, sampling, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-    return run, llm.llm_engine.engine_core.shutdown
+    return run, functools.partial(run, sp_logprobs), llm.llm_engine.engine_core.shutdown
 
 
 def our_vllm(model_dir, prompts, tokenizer, args):
@@ -171,10 +177,11 @@ def bench_model(name: str, root: Path, args) -> dict:
     prompts = make_prompts(tokenizer, args.prompts)
     res = {"params": n_params}
     if "vllm" in args.backends:
-        raw_run, raw_close = raw_vllm(model_dir, prompts, args)
+        raw_run, raw_lp_run, raw_close = raw_vllm(model_dir, prompts, args)
         our_run, our_close = our_vllm(model_dir, prompts, tokenizer, args)
         try:
-            res.update(interleaved({"raw vLLM": raw_run, VLLM_OURS: our_run}, args.repeats))
+            runners = {"raw vLLM": raw_run, RAW_VLLM_LOGPROBS: raw_lp_run, VLLM_OURS: our_run}
+            res.update(interleaved(runners, args.repeats))
         finally:
             our_close()
             raw_close()
@@ -214,10 +221,12 @@ def main() -> None:
             t, tokens, tps[key] = value
             print(f"  {key:34s} {t:8.3f} {tokens:7d} {tps[key]:9.0f}")
         pairs = [
-            ("our vLLM (Ray actor + executor)", "raw vLLM"),
+            (VLLM_OURS, "raw vLLM"),
+            (VLLM_OURS, RAW_VLLM_LOGPROBS),
+            (RAW_VLLM_LOGPROBS, "raw vLLM"),
             ("our transformers", "raw transformers"),
             ("raw vLLM", "raw transformers"),
-            ("our vLLM (Ray actor + executor)", "our transformers"),
+            (VLLM_OURS, "our transformers"),
         ]
         for a, b in pairs:
             if a in tps and b in tps:

@@ -115,6 +115,7 @@ class VLLMEngine:
             ignore_eos=params.ignore_eos,
             seed=seed,
             logprobs=0,
+            flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
             detokenize=False,
             **params.extra,
         )
@@ -212,7 +213,11 @@ class VLLMEngine:
 
 def _to_generation(completion) -> Generation:
     token_ids = list(completion.token_ids)
-    logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, token_ids, strict=True)]
+    flat = completion.logprobs
+    if getattr(flat, "token_ids", None) == token_ids:  # FlatLogprobs holding exactly the sampled tokens
+        logprobs = list(flat.logprobs)
+    else:
+        logprobs = [float(step[t].logprob) for step, t in zip(flat, token_ids, strict=True)]
     reason = completion.finish_reason
     if reason not in ("stop", "length", "abort"):
         raise ValueError(f"vLLM returned an unknown finish_reason {reason!r}")
