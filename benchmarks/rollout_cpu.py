@@ -88,7 +88,12 @@ def raw_vllm(model_dir, prompts, args):
     llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0)
     sp = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens)
     sp_logprobs = vllm.SamplingParams(
-        n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens, logprobs=0, flat_logprobs=True
+        n=args.samples,
+        temperature=1.0,
+        max_tokens=args.max_new_tokens,
+        logprobs=0,
+        flat_logprobs=True,
+        detokenize=False,
     )
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
