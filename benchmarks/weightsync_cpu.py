@@ -1,7 +1,8 @@
-"""Weight sync on CPU: plain memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcast.
+"""Weight sync on CPU: memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcasts.
 
 Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
-     [--methods shm,shm delivery,...]
+     [--receiver-threads N]
+     [--methods shm,shm delivery,gloo,gloo delivery,gloo raw,per-param openrlhf,per-param gloo]
 
 A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
 synced from this process (the sender) to receiver processes, each of which copies every tensor into
@@ -11,22 +12,37 @@ other, so that all methods see the same background load. A sync is timed on the 
 start until every receiver has finished loading it (receivers' CPU seconds from the start of the
 sync). GB/s counts the model's bytes once. The sender and receivers use
 ``--threads`` torch threads each (default 1: on a 2-core machine two processes with two OpenMP
-threads each oversubscribe the cores); the memcpy limit uses the machine's default thread count.
+threads each oversubscribe the cores). Two phases: every method without Ray, then (for OpenRLHF's
+protocol, which needs Ray) gloo and both per-parameter methods again with a local Ray instance
+running, because Ray's idle processes take CPU from everything timed beside them.
 
-- memcpy: ``dst.copy_(src)`` for every tensor, in this process: the bound for any sync.
+- memcpy: ``dst.copy_(src)`` for every tensor, in this process, on one thread (a plain memcpy, as
+  each side of a sync runs one thread) and on the machine's default thread count (torch splits each
+  copy across threads). A sync makes two copies (into the transport, out of it into the model), so
+  on the cores that the two-thread memcpy uses it cannot exceed 50% of that row.
 - shm, gloo -> model: ``WeightSender.send(model.named_parameters())`` with checksums, each receiver
   loading into its model with ``copy_into(model)`` (end to end: the sender's pack copy plus the
   receiver's load copy).
 - shm, gloo, delivery only: the same sync, but the receiver's load callback only takes every
   (verified) tensor and keeps none: what the transport itself costs, comparable to one memcpy.
   Tensors larger than a bucket are still assembled from their pieces in a scratch buffer.
-- per-parameter gloo: OpenRLHF's way: for every parameter one ``broadcast`` on a (private) gloo
-  group, the receiver allocating a tensor per parameter and then loading it into its model.
+- gloo, raw bytes only: the model's bytes (concatenated once, outside the clock) broadcast in
+  32 MiB pieces, two in flight, on a two-device gloo group into two reused buffers: the gloo
+  transport with nothing packed, checked or loaded, its ceiling on this machine.
+- per-param gloo, OpenRLHF's protocol: what OpenRLHF's ``broadcast_to_vllm`` does for every
+  parameter: a Ray call to each engine actor naming the parameter (``update_weight(name, dtype,
+  shape)``), one ``broadcast`` on a private gloo group into a tensor the engine allocates, the engine
+  loading it into its model, and ``ray.get`` of the calls before the next parameter. The engine is a
+  Ray actor here (OpenRLHF's engines are, and add a vLLM ``collective_rpc`` hop this one skips).
+- per-param gloo, broadcast only: the same broadcasts, allocations and loads with no control
+  messages (shapes agreed in advance, no per-parameter wait): a lower bound of any per-parameter
+  scheme, not a protocol an engine could follow as is.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
@@ -35,6 +51,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # see packages/rollout/tests/conftest.py
 from rlhf_weightsync import WeightReceiver, WeightSender, copy_into
 from rlhf_weightsync.checksum import word_sum
 
@@ -76,24 +94,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def private_gloo(port: int, rank: int, world: int) -> dist.ProcessGroupGloo:
+def private_gloo(port: int, rank: int, world: int, devices: int = 1) -> dist.ProcessGroupGloo:
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=120), wait_for_workers=False)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=120)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") for _ in range(devices)]
+    opts._threads = devices
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
+RAW_CHUNK = 32 << 20  # the gloo transport's default bucket
+
+
+def raw_broadcasts(pg: dist.ProcessGroupGloo, chunks: list[torch.Tensor]) -> None:
+    """Broadcast ``chunks`` with two in flight, as the gloo transport does with its buckets."""
+    works = []
+    for chunk in chunks:
+        works.append(pg.broadcast(chunk, 0))
+        if len(works) == 2:
+            works.pop(0).wait()
+    for work in works:
+        work.wait()
+
+
 DELIVERY = " delivery"
-METHODS = ("shm", "shm delivery", "gloo", "gloo delivery", "per-param gloo")
+OPENRLHF = "per-param openrlhf"
+RAW = "gloo raw"
+METHODS = ("shm", "shm delivery", "gloo", "gloo delivery", RAW, OPENRLHF, "per-param gloo")
 TRANSPORT = {m: m.removesuffix(DELIVERY) for m in METHODS}
 LABELS = {
     "shm": "shm -> model",
     "shm delivery": "shm, delivery only",
     "gloo": "gloo -> model",
     "gloo delivery": "gloo, delivery only",
-    "per-param gloo": "per-param gloo -> model",
+    RAW: "gloo, raw bytes only",
+    OPENRLHF: "per-param, OpenRLHF's",
+    "per-param gloo": "per-param, bcast only",
 }
+
+
+class OpenRLHFStyleEngine:
+    """An engine actor receiving weights the way OpenRLHF's vLLM workers do: one call per parameter."""
+
+    def __init__(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.model = make_model("zeros")
+
+    def join(self, port: int, rank: int, world: int) -> None:
+        self.pg = private_gloo(port, rank, world)
+
+    def update_weight(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        weight = torch.empty(shape, dtype=dtype)
+        self.pg.broadcast(weight, 0).wait()
+        self.model[name].copy_(weight)  # vLLM's load_weights([(name, weight)])
+
+    def cpu_seconds(self) -> float:
+        return time.process_time()
 
 
 def consume(named_tensors) -> None:
@@ -115,6 +171,19 @@ def receiver_main(rank: int, method: str, port: int, world: int, syncs: int, thr
                 buf = torch.empty(shape)  # a fresh tensor per parameter, then loaded into the model
                 pg.broadcast(buf, 0).wait()
                 model[name].copy_(buf)
+            cpu.append(time.process_time() - c0)
+            pg.barrier().wait()
+        cpu_q.put(cpu)
+        return
+    if method == RAW:
+        pg = private_gloo(port, rank, world, devices=2)
+        nbytes = sum(t.numel() * t.element_size() for t in model.values())
+        bufs = [torch.empty(RAW_CHUNK, dtype=torch.uint8) for _ in range(2)]
+        sizes = [min(RAW_CHUNK, nbytes - a) for a in range(0, nbytes, RAW_CHUNK)]
+        for _ in range(syncs):
+            pg.barrier().wait()
+            c0 = time.process_time()
+            raw_broadcasts(pg, [bufs[i % 2][:n] for i, n in enumerate(sizes)])
             cpu.append(time.process_time() - c0)
             pg.barrier().wait()
         cpu_q.put(cpu)
@@ -151,11 +220,22 @@ class Method:
     def __init__(self, method: str, model: dict[str, torch.Tensor], args) -> None:
         self.method, self.model = method, model
         port, world = free_port(), args.receivers + 1
+        if method == OPENRLHF:
+            import ray
+
+            engine_cls = ray.remote(num_cpus=0)(OpenRLHFStyleEngine)
+            self.engines = [engine_cls.remote(args.receiver_threads) for _ in range(args.receivers)]
+            joins = [e.join.remote(port, r, world) for r, e in enumerate(self.engines, start=1)]
+            self.pg = private_gloo(port, 0, world)
+            ray.get(joins, timeout=300)
+            self.engine_cpu: list[float] = []
+            return
         ctx = mp.get_context("spawn")
         self.cpu_q = ctx.Queue()
         self.procs = [
             ctx.Process(
-                target=receiver_main, args=(r, method, port, world, args.syncs + 1, args.threads, self.cpu_q)
+                target=receiver_main,
+                args=(r, method, port, world, args.syncs + 1, args.receiver_threads, self.cpu_q),
             )
             for r in range(1, world)
         ]
@@ -163,6 +243,10 @@ class Method:
             p.start()
         if method == "per-param gloo":
             self.pg = private_gloo(port, 0, world)
+        elif method == RAW:
+            self.pg = private_gloo(port, 0, world, devices=2)
+            flat = torch.cat([t.view(-1).view(torch.uint8) for t in model.values()])
+            self.chunks = list(flat.split(RAW_CHUNK))
         else:
             self.sender = WeightSender(
                 transport=TRANSPORT[method],
@@ -176,20 +260,47 @@ class Method:
 
     def once(self) -> tuple[float, float]:
         """(wall seconds, sender CPU seconds) of one sync."""
-        if self.method == "per-param gloo":
+        if self.method == OPENRLHF:
+            return self._once_openrlhf()
+        if self.method in ("per-param gloo", RAW):
             self.pg.barrier().wait()
         t0, c0 = time.perf_counter(), time.process_time()
         if self.method == "per-param gloo":
             for tensor in self.model.values():
                 self.pg.broadcast(tensor, 0).wait()
             self.pg.barrier().wait()
+        elif self.method == RAW:
+            raw_broadcasts(self.pg, self.chunks)
+            self.pg.barrier().wait()
         else:
             self.sender.send(self.model.items())
         return time.perf_counter() - t0, time.process_time() - c0
 
+    def _once_openrlhf(self) -> tuple[float, float]:
+        import ray
+
+        c_engine = ray.get(self.engines[0].cpu_seconds.remote())
+        t0, c0 = time.perf_counter(), time.process_time()
+        for name, tensor in self.model.items():
+            refs = [
+                e.update_weight.remote(name, dtype=tensor.dtype, shape=tuple(tensor.shape))
+                for e in self.engines
+            ]
+            self.pg.broadcast(tensor, 0).wait()
+            ray.get(refs, timeout=120)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        self.engine_cpu.append(ray.get(self.engines[0].cpu_seconds.remote()) - c_engine)
+        return wall, cpu
+
     def close(self) -> list[float]:
         """The receivers' CPU seconds per sync (first receiver)."""
-        if self.method != "per-param gloo":
+        if self.method == OPENRLHF:
+            import ray
+
+            for e in self.engines:
+                ray.kill(e)
+            return self.engine_cpu
+        if self.method not in ("per-param gloo", RAW):
             self.sender.close()
         cpu = [self.cpu_q.get(timeout=120) for _ in self.procs]
         for p in self.procs:
@@ -205,18 +316,44 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=None, help="default: the transport's default")
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of sender and receivers")
+    parser.add_argument("--receiver-threads", type=int, default=None, help="default: --threads")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     args = parser.parse_args()
+    if args.receiver_threads is None:
+        args.receiver_threads = args.threads
+    chosen = args.methods.split(",")
+    unknown = set(chosen) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; expected a subset of {METHODS}")
     model = make_model("random")
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
-    default_threads = torch.get_num_threads()
     print(
         f"torch {torch.__version__}; model: {len(model)} fp32 tensors, "
         f"{sum(t.numel() for t in model.values()) / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; "
-        f"{args.receivers} receiver process(es); {args.threads} torch thread(s) per sync process; buckets: "
+        f"{args.receivers} receiver process(es); torch threads: {args.threads} sender, "
+        f"{args.receiver_threads} per receiver; buckets: "
         f"{'transport default' if args.bucket_mb is None else f'{args.bucket_mb} MiB'}; "
         f"median of {args.syncs} rounds, methods interleaved within each round"
     )
+    without_ray = [m for m in chosen if m != OPENRLHF]
+    if without_ray:
+        print("\nPhase 1: no Ray running")
+        measure(model, without_ray, args)
+    if OPENRLHF in chosen:
+        import ray
+
+        # Ray's own processes take CPU even when idle: OpenRLHF's protocol is timed in a phase of its
+        # own, against the bucketed and the plain per-parameter sync under the same load.
+        print("\nPhase 2: a local Ray instance running (OpenRLHF's protocol calls a Ray actor per parameter)")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        measure(model, [m for m in ("gloo", "per-param gloo", OPENRLHF) if m in chosen], args)
+        ray.shutdown()
+
+
+def measure(model: dict[str, torch.Tensor], names: list[str], args) -> None:
+    """Time the memcpy limits and every method in ``names``, interleaved per round; print a table."""
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    default_threads = torch.get_num_threads()
     dst = make_model("zeros")
     flat = [t.view(-1).view(torch.uint8) for t in model.values()]
 
@@ -232,10 +369,7 @@ def main() -> None:
             word_sum(b, 0, b.numel())
         return time.perf_counter() - t0
 
-    unknown = set(args.methods.split(",")) - set(METHODS)
-    if unknown:
-        parser.error(f"--methods: unknown {sorted(unknown)}; expected a subset of {METHODS}")
-    methods = {name: Method(name, model, args) for name in args.methods.split(",")}
+    methods = {name: Method(name, model, args) for name in names}
     rows = [f"memcpy ({default_threads} thr)", f"memcpy ({args.threads} thr)", *methods]
     times: dict[str, list[float]] = {row: [] for row in [*rows, "checksum"]}
     send_cpu: dict[str, list[float]] = {name: [] for name in methods}
@@ -249,12 +383,17 @@ def main() -> None:
             wall, cpu = method.once()
             times[name].append(wall)
             send_cpu[name].append(cpu)
+    torch.set_num_threads(default_threads)
     recv_cpu = {name: method.close() for name, method in methods.items()}
     med = {row: statistics.median(ts[1:]) for row, ts in times.items()}
-    limit = min(med[rows[0]], med[rows[1]])
+    fast, plain = med[rows[0]], med[rows[1]]
+    nan = float("nan")
     print(
-        f"{'method':<24} {'median s':>9} {'GB/s':>7} {'vs memcpy':>10} {'vs per-param gloo':>18} "
-        f"{'CPU s send / recv':>18}"
+        f"{'method':<22} {'median s':>8} {'GB/s':>6} {'vs memcpy':>9} {'vs memcpy':>9} "
+        f"{'vs per-param':>12} {'vs per-param':>12} {'CPU s send / recv':>18}"
+    )
+    print(
+        f"{'':<22} {'':>8} {'':>6} {rows[0][8:-1]:>9} {rows[1][8:-1]:>9} {'OpenRLHF':>12} {'bcast only':>12}"
     )
     for row in rows:
         sec = med[row]
@@ -264,12 +403,12 @@ def main() -> None:
             else ""
         )
         print(
-            f"{LABELS.get(row, row):<24} {sec:>9.4f} {nbytes / sec / 1e9:>7.2f} {limit / sec:>9.0%} "
-            f"{med.get('per-param gloo', float('nan')) / sec:>17.2f}x {cpu:>18}"
+            f"{LABELS.get(row, row):<22} {sec:>8.4f} {nbytes / sec / 1e9:>6.2f} {fast / sec:>9.0%} "
+            f"{plain / sec:>9.0%} {med.get(OPENRLHF, nan) / sec:>11.2f}x "
+            f"{med.get('per-param gloo', nan) / sec:>11.2f}x {cpu:>18}"
         )
     print(
-        f"('vs memcpy' is against the faster memcpy row.) checksum, one pass over the model: "
-        f"{nbytes / med['checksum'] / 1e9:.1f} GB/s"
+        f"checksum, one pass over the model on {args.threads} thread(s): {nbytes / med['checksum'] / 1e9:.1f} GB/s"
     )
 
 
