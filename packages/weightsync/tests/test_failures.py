@@ -3,6 +3,8 @@ load callbacks, mismatched configuration. After a receiver-side error the group 
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import pytest
@@ -110,9 +112,25 @@ def test_receiver_fails_fast_when_the_sender_is_gone(pair):
     sender, receiver = pair("gloo")
     sender.close()
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncError):
+    with pytest.raises(WeightSyncError, match=r"lost the weight-sync store while waiting for the sender"):
         receiver.receive(lambda it: list(it), timeout_s=10)
     assert time.monotonic() - t0 < 8
+
+
+def test_a_receiver_waiting_for_the_sender_can_be_interrupted_and_then_still_receives(pair, run_in_thread):
+    sender, receiver = pair("shm", bucket_bytes=BUCKET)
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        receiver.receive(lambda it: list(it), timeout_s=60)
+    assert time.monotonic() - t0 < 10  # not the 60 s of the store's wait
+    # the abandoned blocking wait is still pending on its connection: this sync is awaited by polling
+    thread, box = run_in_thread(sender.send, weights(1))
+    got = {}
+    receiver.receive(lambda it: got.update((n, t.clone()) for n, t in it))
+    thread.join()
+    assert box["value"].version == 1 and torch.equal(got["layer5.weight"], weights(1)[5][1])
 
 
 @pytest.mark.parametrize("transport", ["gloo", "shm"])

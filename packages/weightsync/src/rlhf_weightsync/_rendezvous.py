@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -90,6 +91,7 @@ class Rendezvous:
             ) from exc
         self._raw = raw
         self.store = dist.PrefixStore(_PREFIX, raw)
+        self._waiter: _SenderKeyWaiter | None = None
         self.info = {**info, "pid": os.getpid(), "host": socket.gethostname()}
         self.peers: dict[int, dict] = {}
         self.set(f"join/{rank}", json.dumps(self.info).encode())
@@ -141,11 +143,15 @@ class Rendezvous:
     def wait(self, keys: list[tuple[str, int]], *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks.
 
-        Polls the store (with a back-off from 0.1 ms to 2 ms during the first second, then to 50 ms),
-        and every ``POLL_S`` seconds checks whether a missing peer on this host has exited: a dead
-        peer fails the wait at once instead of at the timeout.
+        A receiver waiting for keys of the sender blocks in the store's own ``wait`` (it wakes the
+        moment the key is set; the sender hosting the store, its death breaks the connection at once).
+        Other waits poll the store (with a back-off from 0.1 ms to 2 ms during the first second, then
+        to 50 ms), and every ``POLL_S`` seconds check whether a missing peer on this host has exited:
+        a dead peer fails the wait at once instead of at the timeout.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.rank != 0 and all(r == 0 for _, r in keys) and self._blocking_wait(keys, what, timeout):
+            return
         names = [k for k, _ in keys]
         t0 = time.monotonic()
         deadline, next_check, delay = t0 + timeout, t0 + POLL_S, 1e-4
@@ -165,6 +171,28 @@ class Rendezvous:
                 ) from exc
             self.raise_if_gone(missing, what=what, waited=now - t0, timeout=timeout, final=now >= deadline)
             next_check = now + POLL_S
+
+    def _blocking_wait(self, keys: list[tuple[str, int]], what: str, timeout: float) -> bool:
+        """Wait in the store's blocking ``wait``; False if that is not possible now (then poll instead)."""
+        if self._waiter is None:
+            try:
+                self._waiter = _SenderKeyWaiter(dist.PrefixStore(_PREFIX, self._raw.clone()))
+            except Exception:  # a store without clone(): poll
+                return False
+        if self._waiter.busy:  # still blocked in a wait that an interrupt abandoned: poll
+            return False
+        t0 = time.monotonic()
+        error = self._waiter.wait([k for k, _ in keys], timeout)
+        if error is None:
+            return True
+        waited = time.monotonic() - t0
+        if isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower():
+            self.raise_if_gone([0], what=what, waited=waited, timeout=timeout, final=True)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise WeightSyncError(
+            f"rank {self.rank}: lost the weight-sync store while waiting for {what} after {waited:.1f} s "
+            f"(the sender's process hosts it): {first_line}; sender: {self.describe([0])}"
+        ) from error
 
     def raise_if_gone(
         self, missing: list[int], *, what: str, waited: float, timeout: float, final: bool
@@ -202,3 +230,32 @@ class Rendezvous:
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]
         self._raw = None
+        self._waiter = None
+
+
+class _SenderKeyWaiter:
+    """Runs the store's blocking ``wait`` in a daemon thread on its own store connection, so that the
+    caller's wait stays interruptible (Ctrl-C) while it sleeps until the key is set."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self.busy = False
+
+    def wait(self, names: list[str], timeout: float) -> BaseException | None:
+        """Block until ``names`` exist (None) or the store's wait fails (its exception)."""
+        done = threading.Event()
+        result: list[BaseException | None] = [None]
+
+        def run() -> None:
+            try:
+                self._store.wait(names, timedelta(seconds=timeout))
+            except BaseException as exc:
+                result[0] = exc
+            finally:
+                self.busy = False
+                done.set()
+
+        self.busy = True
+        threading.Thread(target=run, name="rlhf-weightsync-wait", daemon=True).start()
+        done.wait()
+        return result[0]
