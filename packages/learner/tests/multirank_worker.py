@@ -5,6 +5,8 @@ Scenarios, in one process so DeepSpeed and transformers are imported once:
   batch; losses and final full weights are written for comparison.
 - ZeRO-3 extras (world 2): gather, checkpoint save / load / continue, HF export.
 - ring attention (world 2): attention function and a whole model against single-rank references.
+- ``kto``: KTO steps with ZeRO-0 (world 1) or ZeRO-2 (world 2) on the same global batch: the KL
+  reference point is gathered over the ranks, so the split must not change the losses.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import json
 from pathlib import Path
 
 import torch
-from rlhf_algos import aggregate_loss, policy_loss
+from rlhf_algos import aggregate_loss, kto_kl_baseline, kto_loss, policy_loss
 from rlhf_learner.models import Actor, load_causal_lm, load_reference
-from rlhf_learner.steps import ppo_actor_step, reference_logp
+from rlhf_learner.steps import kto_step, ppo_actor_step, reference_logp, reference_sequence_logp
 from rlhf_learner.strategy import Strategy, StrategyOptions
 
 LENGTHS = [12, 20, 9, 16, 24, 7, 18, 11]
@@ -238,6 +240,52 @@ def tensor_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     return res
 
 
+def kto_micro_batches(engine, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Per micro-batch: this rank's share of 4 examples, then its share of 4 mismatched rows. The
+    reference log-probs are the initial model's minus a per-row offset, so that the KL estimates
+    are positive and differ between the ranks' shares."""
+    g = torch.Generator().manual_seed(1)
+    examples, mismatched = [], []
+    for i, n in enumerate(LENGTHS + LENGTHS[::-1]):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[3:] = True
+        row = {"input_ids": torch.randint(3, 400, (n,), generator=g), "loss_mask": mask}
+        (examples if i < len(LENGTHS) else mismatched).append((row, 0.5 * i))
+    share = 4 // world
+    mbs = []
+    for k in range(GAS):
+        take = slice(4 * k + rank * share, 4 * k + (rank + 1) * share)
+        part = examples[take] + mismatched[take]
+        mb = pad_rows([row for row, _ in part])
+        mb["ref_logp"] = reference_sequence_logp(engine, mb) - torch.tensor([off for _, off in part])
+        mb["desirable"] = torch.tensor([(4 * k + rank * share + j) % 3 != 0 for j in range(share)])
+        mbs.append(mb)
+    return mbs
+
+
+def kto(model_dir: str, rank: int, world: int) -> dict:
+    stage = 0 if world == 1 else 2
+    strategy = Strategy(
+        StrategyOptions(zero_stage=stage, lr=1e-3, grad_accum_steps=GAS, micro_batch_size=4 // world)
+    )
+    strategy.setup_distributed()
+    engine = build(strategy, model_dir)
+    mbs = kto_micro_batches(engine, rank, world)
+    n = 4 // world
+    local = [
+        float(kto_kl_baseline(reference_sequence_logp(engine, mb)[n:], mb["ref_logp"][n:])) for mb in mbs
+    ]
+    step = functools.partial(
+        kto_step, kto_loss_fn=functools.partial(kto_loss, beta=0.1), kl_baseline_fn=kto_kl_baseline
+    )
+    results = [step(engine, mbs) for _ in range(STEPS)]
+    return {
+        "losses": [r.loss for r in results],
+        "kl_baseline": [r.metrics["kl_baseline"] for r in results],
+        "local_kl_baseline_step1": sum(local) / len(local),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -255,12 +303,14 @@ def main() -> None:
     results: dict = {}
     if args.world == 1:
         results["z0"] = train(0, args.model, args.rank, args.world, out, extras=False)
+        results["kto"] = kto(args.model, args.rank, args.world)
         results["sp"] = sequence_parallel_sft(args.model, args.world, out)
         results["tp"] = tensor_parallel_sft(args.model, args.world, out)
     else:
         results["ring"] = ring_checks(args.model, args.rank, args.world)
         results["z2"] = train(2, args.model, args.rank, args.world, out, extras=False)
         results["z3"] = train(3, args.model, args.rank, args.world, out, extras=True)
+        results["kto"] = kto(args.model, args.rank, args.world)
         results["sp"] = sequence_parallel_sft(args.model, args.world, out)
         results["tp"] = tensor_parallel_sft(args.model, args.world, out)
     (out / f"results_w{args.world}_r{args.rank}.json").write_text(json.dumps(results))

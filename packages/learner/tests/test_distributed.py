@@ -105,3 +105,16 @@ def test_autotp_on_two_ranks_matches_one_process(multirank):
     assert w.keys() == w_ref.keys()
     for k in w_ref:
         torch.testing.assert_close(w[k], w_ref[k], atol=1e-4, rtol=0)
+
+
+def test_kto_reference_point_is_gathered_over_ranks(multirank):
+    """KTO on 2 ranks equals one process: the KL reference point covers every rank's mismatched rows
+    (each rank's own rows alone would give a different one, checked on step 1)."""
+    ref = multirank["w1"][0]["kto"]
+    assert ref["kl_baseline"][0] > 0.1  # the reference point is active (not clamped to 0)
+    assert ref["losses"][-1] < ref["losses"][0]
+    for rank_result in multirank["w2"]:
+        got = rank_result["kto"]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+        assert got["kl_baseline"] == pytest.approx(ref["kl_baseline"], abs=1e-5)
+        assert abs(got["local_kl_baseline_step1"] - ref["kl_baseline"][0]) > 0.1

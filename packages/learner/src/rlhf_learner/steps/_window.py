@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepResult", "WindowCounts", "loss_tensor", "run_window"]
+__all__ = ["StepResult", "WindowCounts", "all_gather_rows", "loss_tensor", "run_window"]
 
 Batch = Mapping[str, Any]
 
@@ -47,6 +47,24 @@ def loss_tensor(out: Any) -> torch.Tensor:
 def _dp_group(engine: Any) -> Any:
     group = getattr(engine, "data_parallel_group", None)
     return group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+
+
+def all_gather_rows(x: torch.Tensor, engine: Any) -> torch.Tensor:
+    """``x`` (``[n, ...]``, ``n`` may differ per rank) concatenated over the engine's data-parallel
+    ranks in rank order; ``x`` itself without a process group. Detached (no gradient flows back)."""
+    group = _dp_group(engine)
+    x = x.detach()
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([x.shape[0]], dtype=torch.long, device=x.device), group=group)
+    counts = [int(n) for n in sizes]
+    padded = torch.zeros((max(counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
 
 
 def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:

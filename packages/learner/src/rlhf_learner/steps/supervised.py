@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+from rlhf_learner.steps._window import StepResult, WindowCounts, all_gather_rows, loss_tensor, run_window
 from rlhf_learner.steps.ppo import _model_inputs, masked_counts
 
 __all__ = ["dpo_step", "kto_step", "reward_model_step", "sequence_logp", "sft_step"]
@@ -122,8 +122,9 @@ def kto_step(
     rows followed by ``N`` mismatched rows (prompt i with another example's response) for the KL
     reference point, with ``loss_mask``, ``ref_logp`` ``[2N]`` (reference summed log-probs of all
     rows) and ``desirable`` ``[N]``. The reference point is
-    ``kl_baseline_fn(policy_kl_logp, ref_kl_logp)`` over the micro-batch's mismatched rows (local to
-    the micro-batch, detached). Loss: mean over examples of
+    ``kl_baseline_fn(policy_kl_logp, ref_kl_logp)`` over the mismatched rows of this micro-batch on
+    every data-parallel rank (all-gathered, detached; as TRL and OpenRLHF estimate it), so it does not
+    depend on how the batch is split over ranks. Loss: mean over examples of
     ``kto_loss_fn(policy_logp, ref_logp, desirable, kl_baseline)`` (e.g. ``partial(rlhf_algos.kto_loss, beta=0.1)``)."""
 
     def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -131,7 +132,7 @@ def kto_step(
         seq = sequence_logp(out.logp, mb["loss_mask"])
         n = seq.shape[0] // 2
         ref = mb["ref_logp"]
-        z0 = kl_baseline_fn(seq[n:].detach(), ref[n:])
+        z0 = kl_baseline_fn(all_gather_rows(seq[n:], engine), all_gather_rows(ref[n:], engine))
         losses = kto_loss_fn(seq[:n], ref[:n], mb["desirable"], z0)
         return _per_seq_mean(losses, c), {"kl_baseline": z0.detach().expand(n).sum()}
 
