@@ -193,6 +193,60 @@ def ring_checks(model_dir: str, rank: int, world: int) -> dict:
         dist.all_reduce(grad)
         worst = max(worst, (grad - b.grad).abs().max().item())
     res["model_grad"] = worst
+    res |= packed_ring_checks(model_dir, g)
+    return res
+
+
+PACKED = [[5, 7, 4], [9, 3, 4]]  # sequence lengths of two packed rows of 16 tokens
+
+
+def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
+    """Packed rows through the ring: attention against a block-diagonal causal reference, and a whole
+    actor against each sequence run alone on one rank (the unpacked truth)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from rlhf_learner.models import Actor
+    from rlhf_learner.ring_attention import ring_attention, sequence_starts, split_sequence
+    from transformers import AutoModelForCausalLM
+
+    res: dict = {}
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED])
+    seq = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in PACKED])
+    allowed = (seq[:, :, None] == seq[:, None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
+    dout = torch.randn(2, 3, 16, 8, generator=g)
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed[:, None])
+    ref.backward(dout)
+    ql, kl, vl = (split_sequence(t, dim=2).clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(ql, kl, vl, sequence_ids=sequence_starts(split_sequence(pos)))
+    out.backward(split_sequence(dout, dim=2))
+    res["packed_attn_out"] = (out - split_sequence(ref, dim=2)).abs().max().item()
+    for name, local, full in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
+        res[f"packed_attn_{name}"] = (local.grad - split_sequence(full.grad, dim=2)).abs().max().item()
+
+    ids = torch.randint(3, 400, (2, 16), generator=g)
+    single = Actor(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"))
+    expected = []
+    for r, row in enumerate(PACKED):
+        parts, start = [], 0
+        for n in row:  # each sequence alone: the unpacked truth
+            lp = single(ids[r : r + 1, start : start + n]).logp
+            lp.sum().backward()
+            parts.append(lp.detach())
+            start += n
+        expected.append(torch.cat(parts, dim=1))
+    ring = Actor(AutoModelForCausalLM.from_pretrained(model_dir), sequence_parallel_group=dist.group.WORLD)
+    logp = ring(ids, position_ids=pos).logp
+    logp.sum().backward()
+    res["packed_model_logp"] = (logp.detach() - torch.cat(expected)).abs().max().item()
+    worst = 0.0
+    for (_, a), (_, b) in zip(ring.named_parameters(), single.named_parameters(), strict=True):
+        grad = a.grad.clone()
+        dist.all_reduce(grad)
+        # every rank computed the full (gathered) loss: the all-reduce counts it once per rank
+        worst = max(worst, (grad / dist.get_world_size() - b.grad).abs().max().item())
+    res["packed_model_grad"] = worst
     return res
 
 

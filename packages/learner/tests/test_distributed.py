@@ -71,6 +71,17 @@ def test_ring_attention_two_ranks_equals_one(multirank):
         assert ring["model_grad"] < 1e-4
 
 
+def test_ring_attention_on_packed_rows_two_ranks_equals_unpacked(multirank):
+    """Packed rows whose sequences cross the chunk boundary (and one that starts in the second
+    chunk): no attention across sequences, same log-probs and gradients as each sequence alone."""
+    for rank_result in multirank["w2"]:
+        ring = rank_result["ring"]
+        for key in ("packed_attn_out", "packed_attn_dq", "packed_attn_dk", "packed_attn_dv"):
+            assert ring[key] < 1e-5, key
+        assert ring["packed_model_logp"] < 1e-5
+        assert ring["packed_model_grad"] < 1e-4
+
+
 def test_zero3_inference_reference_matches_initial_logprobs(multirank):
     for rank_result in multirank["w2"]:
         z3 = rank_result["z3"]

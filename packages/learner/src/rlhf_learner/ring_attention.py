@@ -8,17 +8,24 @@ ring, and each rank merges the partial attention of every chunk with an online s
 ``o = sum_j exp(lse_j - lse) o_j``, ``lse = log sum_j exp(lse_j)``.
 
 Causality: the chunk of rank ``r`` attends to chunks ``j < r`` fully, to its own chunk causally,
-and not at all to chunks ``j > r``. The backward pass sends key/value chunks around the ring again
-with their gradient accumulators, which arrive back at their owner after a full turn.
+and not at all to chunks ``j > r``. Packed rows (several sequences per row, ``position_ids``
+restarting at 0) add one rule: a token attends only to tokens of its own sequence. A token's
+sequence is identified by where it starts, ``global index - position id``, which every rank computes
+for its chunk without communication; these ids travel with the key/value chunks. The backward pass
+sends key/value chunks around the ring again with their gradient accumulators, which arrive back at
+their owner after a full turn.
 
 On CPU this is pure torch over a gloo group (:func:`ring_attention`); on GPU with ring-flash-attn
-installed, :func:`ring_flash_attention` calls its fused kernels. :func:`use_ring_attention` plugs
+installed, :func:`ring_flash_attention` calls its fused kernels for padded rows (packed rows take
+the pure-torch ring there too). :func:`use_ring_attention` plugs
 either into a transformers model as an attention implementation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,8 +34,10 @@ import torch.distributed as dist
 __all__ = [
     "RING_ATTENTION",
     "gather_sequence",
+    "packed_rows",
     "ring_attention",
     "ring_flash_attention",
+    "sequence_starts",
     "split_sequence",
     "use_ring_attention",
 ]
@@ -36,7 +45,7 @@ __all__ = [
 RING_ATTENTION = "rlhf_ring_attention"
 """Name under which :func:`use_ring_attention` registers the attention function with transformers."""
 
-_GROUP: dict[str, Any] = {"group": None}
+_GROUP: dict[str, Any] = {"group": None, "packed": False}
 
 
 def _ring_pass(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
@@ -54,79 +63,121 @@ def _ring_pass(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
     return recv
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
-    """Attention of ``q`` over one key block: ``(out, lse)`` with ``lse`` ``[B, H, Lq]``."""
+def sequence_starts(position_ids: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """``[B, C]`` global index of the first token of each token's sequence, for this rank's chunk of
+    ``position_ids`` (``[B, C]``; chunk ``r`` holds global indices ``[r*C, (r+1)*C)``). Tokens of one
+    sequence share the value, so equal values mean "same sequence"; for unpacked rows it is 0 throughout."""
+    group = group if group is not None else dist.group.WORLD
+    c = position_ids.shape[-1]
+    index = dist.get_rank(group) * c + torch.arange(c, device=position_ids.device)
+    return index - position_ids.long()
+
+
+def _mask(lq: int, lk: int, causal: bool, seg_q, seg_k, device) -> torch.Tensor | None:
+    """``True`` where attention is not allowed: later tokens of the same chunk, other sequences."""
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=device).triu(1) if causal else None
+    if seg_q is not None:
+        other = (seg_q[:, :, None] != seg_k[:, None, :])[:, None]  # [B, 1, Lq, Lk]
+        mask = other if mask is None else other | mask
+    return mask
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seg_q, seg_k):
+    """Attention of ``q`` over one key block: ``(out, lse)`` with ``lse`` ``[B, H, Lq]``; rows with
+    no allowed key get ``out = 0`` and ``lse = -inf``."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    mask = _mask(s.shape[-2], s.shape[-1], causal, seg_q, seg_k, s.device)
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    return torch.matmul(torch.exp(s - finite[..., None]), v), lse
+
+
+def _merge(out, lse, o_b, lse_b):
+    """Online-softmax merge of two partial results; a side with ``lse = -inf`` contributes nothing."""
+    new = torch.logaddexp(lse, lse_b)
+    finite = new.masked_fill(new == float("-inf"), 0.0)
+    return out * torch.exp(lse - finite)[..., None] + o_b * torch.exp(lse_b - finite)[..., None], new
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group):  # type: ignore[override]
+    def forward(ctx, q, k, v, seg, scale, group):  # type: ignore[override]
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        qf, kc, vc = q.float(), k.float(), v.float()
+        qf, kc, vc, seg_k = q.float(), k.float(), v.float(), seg
         out = torch.zeros_like(qf)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(size):
             src = (rank - step) % size
             if src <= rank:
-                o_b, lse_b = _block(qf, kc, vc, scale, causal=src == rank)
-                new = torch.logaddexp(lse, lse_b)
-                out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
-                lse = new
-            if step + 1 < size:
+                o_b, lse_b = _block(qf, kc, vc, scale, src == rank, seg, seg_k)
+                out, lse = _merge(out, lse, o_b, lse_b)
+            if step + 1 < size and seg is None:
                 kc, vc = _ring_pass([kc, vc], group)
-        ctx.save_for_backward(q, k, v, out, lse)
+            elif step + 1 < size:
+                kc, vc, seg_k = _ring_pass([kc, vc, seg_k], group)
+        ctx.save_for_backward(q, k, v, seg, out, lse)
         ctx.scale, ctx.group = scale, group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, seg, out, lse = ctx.saved_tensors
         scale, group = ctx.scale, ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(qf)
-        kc, vc = k.float(), v.float()
+        kc, vc, seg_k = k.float(), v.float(), seg
         dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
         for step in range(size):
             src = (rank - step) % size
             if src <= rank:
                 s = torch.matmul(qf, kc.transpose(-1, -2)) * scale
-                if src == rank:
-                    lq, lk = s.shape[-2:]
-                    s = s.masked_fill(
-                        torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf")
-                    )
-                p = torch.exp(s - lse[..., None])
+                mask = _mask(s.shape[-2], s.shape[-1], src == rank, seg, seg_k, s.device)
+                if mask is not None:
+                    s = s.masked_fill(mask, float("-inf"))
+                p = torch.exp(s - lse[..., None])  # every query attends to itself: lse is finite
                 dv = dv + torch.matmul(p.transpose(-1, -2), dout)
                 ds = p * (torch.matmul(dout, vc.transpose(-1, -2)) - delta)
                 dq = dq + torch.matmul(ds, kc) * scale
                 dk = dk + torch.matmul(ds.transpose(-1, -2), qf) * scale
             # Accumulators travel with their key/value chunk; after ``size`` passes they are home.
-            kc, vc, dk, dv = _ring_pass([kc, vc, dk, dv], group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            if seg is not None:
+                kc, vc, dk, dv, seg_k = _ring_pass([kc, vc, dk, dv, seg_k], group)
+            else:
+                kc, vc, dk, dv = _ring_pass([kc, vc, dk, dv], group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Any = None,
+    scale: float | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query chunk over the whole (ring-distributed) sequence.
 
     ``q``, ``k``, ``v``: ``[B, H, C, D]`` (key/value heads already repeated to ``H``), this rank's
-    contiguous chunk. Returns ``[B, H, C, D]``, equal to the matching rows of single-rank causal
-    attention over the concatenated sequence; differentiable.
+    contiguous chunk. ``sequence_ids`` (``[B, C]``, e.g. :func:`sequence_starts` of packed
+    ``position_ids``): tokens attend only to tokens with the same id. Returns ``[B, H, C, D]``, equal
+    to the matching rows of single-rank causal (block-diagonal causal, for packed rows) attention
+    over the concatenated sequence; differentiable.
     """
     group = group if group is not None else dist.group.WORLD
     if q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q/k/v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if sequence_ids is not None and tuple(sequence_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"sequence_ids: expected shape {(q.shape[0], q.shape[2])} (batch, chunk), got {tuple(sequence_ids.shape)}"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, scale, group)
+    seg = None if sequence_ids is None else sequence_ids.long().contiguous()
+    return _RingAttention.apply(q, k, v, seg, scale, group)
 
 
 def ring_flash_available() -> bool:
@@ -154,8 +205,16 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    fn = ring_flash_attention if query.is_cuda and ring_flash_available() else ring_attention
-    out = fn(query, key, value, group=_GROUP["group"], scale=scaling)
+    group = _GROUP["group"]
+    if _GROUP["packed"]:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError("ring attention over packed rows needs the position_ids of this rank's chunk")
+        seg = sequence_starts(position_ids, group=group)
+        out = ring_attention(query, key, value, group=group, scale=scaling, sequence_ids=seg)
+    else:
+        fn = ring_flash_attention if query.is_cuda and ring_flash_available() else ring_attention
+        out = fn(query, key, value, group=group, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -163,13 +222,25 @@ def use_ring_attention(model: Any, group: Any = None) -> None:
     """Make ``model`` (a transformers model) attend through the ring over ``group`` (default: world).
 
     Feed each rank its chunk of ``input_ids`` with *global* ``position_ids`` and no
-    ``attention_mask`` (right padding only: causal attention keeps pad tokens at the end harmless).
+    ``attention_mask`` (right padding only: causal attention keeps pad tokens at the end harmless);
+    for packed rows, the chunk of the packed ``position_ids`` inside :func:`packed_rows`.
     """
     from transformers import AttentionInterface
 
     AttentionInterface.register(RING_ATTENTION, _attention_interface)
     _GROUP["group"] = group
     model.set_attn_implementation(RING_ATTENTION)
+
+
+@contextlib.contextmanager
+def packed_rows(packed: bool = True) -> Iterator[None]:
+    """Within this context the ring attention treats rows as packed: it derives each token's sequence
+    from the ``position_ids`` it is given (:func:`sequence_starts`) and masks across sequences."""
+    before, _GROUP["packed"] = _GROUP["packed"], packed
+    try:
+        yield
+    finally:
+        _GROUP["packed"] = before
 
 
 def split_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch.Tensor:

@@ -65,7 +65,8 @@ class Actor(nn.Module):
     With ``sequence_parallel_group`` every rank of that group gets the same full rows, computes its
     contiguous chunk of the sequence with ring attention (:mod:`rlhf_learner.ring_attention`), and the
     per-token results are gathered (differentiably) so each rank returns the full ``[B, T]``. Rows must
-    be right-padded (or unpadded); packing is not supported on this path. When the group is the whole
+    be right-padded (or unpadded), or packed; packed rows are split like any row, and the ring masks
+    attention across their sequences. When the group is the whole
     data-parallel world (pure sequence parallelism) the update steps need no change: every rank sees the
     same loss, and DeepSpeed's gradient average over the group sums the chunks' contributions.
     """
@@ -109,9 +110,7 @@ class Actor(nn.Module):
         else:
             packed = position_ids
         if self.sp_group is not None:
-            if position_ids is not None and attention_mask is None:
-                raise ValueError("sequence parallelism: packed rows (position_ids) are not supported")
-            return self._ring_forward(input_ids, attention_mask, return_entropy)
+            return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
         kwargs: dict[str, Any] = {}
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):
@@ -135,11 +134,15 @@ class Actor(nn.Module):
         return ActorOutput(logp, entropy, aux)
 
     def _ring_forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, return_entropy: bool
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        packed: torch.Tensor | None,
+        return_entropy: bool,
     ) -> ActorOutput:
         import torch.distributed as dist
 
-        from rlhf_learner.ring_attention import gather_sequence, split_sequence
+        from rlhf_learner.ring_attention import gather_sequence, packed_rows, split_sequence
 
         if attention_mask is not None:
             m = attention_mask.long()
@@ -150,22 +153,26 @@ class Actor(nn.Module):
         width = -(-t // size) * size
         ids = torch.nn.functional.pad(input_ids, (0, width - t))
         nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        pos = torch.arange(width, device=ids.device).expand(b, width)
-        local = self.model(
-            input_ids=split_sequence(ids, group=self.sp_group),
-            position_ids=split_sequence(pos, group=self.sp_group),
-            use_cache=False,
-        ).logits
+        if packed is None:
+            pos = torch.arange(width, device=ids.device).expand(b, width)
+        else:  # padding: each pad token a sequence of its own (position 0)
+            pos = torch.nn.functional.pad(packed, (0, width - t))
+        with packed_rows(packed is not None):
+            local = self.model(
+                input_ids=split_sequence(ids, group=self.sp_group),
+                position_ids=split_sequence(pos, group=self.sp_group),
+                use_cache=False,
+            ).logits
         labels = split_sequence(nxt, group=self.sp_group)
         # Column j of the gathered tensor predicts token j + 1; shift onto the inputs.
         lp = gather_sequence(token_logprobs(local, labels, temperature=self.temperature), group=self.sp_group)
-        logp = shift_to_inputs(lp[:, : t - 1])
+        logp = shift_to_inputs(lp[:, : t - 1], packed)
         entropy = None
         if return_entropy:
             ent = gather_sequence(
                 entropy_from_logits(local, temperature=self.temperature), group=self.sp_group
             )
-            entropy = shift_to_inputs(ent[:, : t - 1])
+            entropy = shift_to_inputs(ent[:, : t - 1], packed)
         return ActorOutput(logp, entropy, None)
 
 
