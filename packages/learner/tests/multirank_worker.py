@@ -198,11 +198,13 @@ def ring_checks(model_dir: str, rank: int, world: int) -> dict:
 
 
 PACKED = [[5, 7, 4], [9, 3, 4]]  # sequence lengths of two packed rows of 16 tokens
+PACKED_ODD = [[5, 6, 4], [8, 3, 4]]  # 15 tokens: the actor pads each row to 16 for two ranks
 
 
 def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
     """Packed rows through the ring: attention against a block-diagonal causal reference, and a whole
-    actor against each sequence run alone on one rank (the unpacked truth)."""
+    actor (odd row length, so padded; gradient checkpointing on) against each sequence run alone on
+    one rank (the unpacked truth)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from rlhf_learner.models import Actor
@@ -225,10 +227,11 @@ def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
     for name, local, full in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
         res[f"packed_attn_{name}"] = (local.grad - split_sequence(full.grad, dim=2)).abs().max().item()
 
-    ids = torch.randint(3, 400, (2, 16), generator=g)
+    ids = torch.randint(3, 400, (2, 15), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED_ODD])
     single = Actor(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"))
     expected = []
-    for r, row in enumerate(PACKED):
+    for r, row in enumerate(PACKED_ODD):
         parts, start = [], 0
         for n in row:  # each sequence alone: the unpacked truth
             lp = single(ids[r : r + 1, start : start + n]).logp
@@ -236,7 +239,12 @@ def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
             parts.append(lp.detach())
             start += n
         expected.append(torch.cat(parts, dim=1))
-    ring = Actor(AutoModelForCausalLM.from_pretrained(model_dir), sequence_parallel_group=dist.group.WORLD)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    # gradient checkpointing recomputes each layer in the backward pass: the packed-rows switch must
+    # reach the recomputation too
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ring = Actor(model, sequence_parallel_group=dist.group.WORLD)
     logp = ring(ids, position_ids=pos).logp
     logp.sum().backward()
     res["packed_model_logp"] = (logp.detach() - torch.cat(expected)).abs().max().item()

@@ -66,6 +66,10 @@ def main() -> None:
     else:
         n = gather_along(params, gather=gather, bucket_bytes=cfg["bucket_bytes"], dtype=torch.bfloat16)
         print(f"gathered along {n} buckets", flush=True)
+    # Tear the learner's gloo group down together: a rank that exits while the other still holds
+    # live connections can abort in gloo's destructors ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ load callbacks, mismatched configuration. After a receiver-side error the group 
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -115,16 +118,56 @@ def test_receiver_fails_fast_when_the_sender_is_gone(pair):
     with pytest.raises(WeightSyncError, match=r"lost the weight-sync store while waiting for the sender"):
         receiver.receive(lambda it: list(it), timeout_s=10)
     assert time.monotonic() - t0 < 8
+    assert receiver._rdv._waiter is not None  # it waited in the store's blocking wait, not by polling
+
+
+_SENDER_THAT_FORKS = """
+import os, sys, time
+from rlhf_weightsync import WeightSender
+sender = WeightSender(transport="gloo", master_addr="127.0.0.1", master_port=int(sys.argv[1]), world_size=2)
+child = os.fork()
+if child == 0:  # keeps every socket of the sender open, the store's included
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(1.0)
+os._exit(0)  # the sender dies; its store connection does not close
+"""
+
+
+def test_a_dead_sender_is_noticed_even_while_a_forked_child_keeps_its_sockets_open(free_port):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SENDER_THAT_FORKS, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    child = None
+    try:
+        receiver = WeightReceiver(
+            transport="gloo", master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, timeout_s=60
+        )
+        child = int(proc.stdout.readline())
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=r"rank 0 \(pid \d+ on .*, no longer running\)"):
+            receiver.receive(lambda it: list(it), timeout_s=60)
+        assert time.monotonic() - t0 < 10  # the liveness check, not the 60 s timeout
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
 
 
 def test_a_receiver_waiting_for_the_sender_can_be_interrupted_and_then_still_receives(pair, run_in_thread):
     sender, receiver = pair("shm", bucket_bytes=BUCKET)
+    with pytest.raises(ValueError, match="timeout_s: expected a finite positive number of seconds, got inf"):
+        receiver.receive(lambda it: list(it), timeout_s=float("inf"))
     timer = threading.Timer(0.5, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         receiver.receive(lambda it: list(it), timeout_s=60)
     assert time.monotonic() - t0 < 10  # not the 60 s of the store's wait
+    assert receiver._rdv._waiter.busy  # the abandoned blocking wait is still pending
     # the abandoned blocking wait is still pending on its connection: this sync is awaited by polling
     thread, box = run_in_thread(sender.send, weights(1))
     got = {}
@@ -212,6 +255,8 @@ def test_argument_validation(free_port):
         WeightReceiver(transport="gloo", rank=0, **kw)
     with pytest.raises(ValueError, match="timeout_s"):
         WeightReceiver(transport="gloo", rank=1, timeout_s=0, **kw)
+    with pytest.raises(ValueError, match="timeout_s: expected a finite positive number"):
+        WeightSender(transport="gloo", timeout_s=float("inf"), **kw)
 
 
 def test_version_must_increase_and_partitions_need_gather(pair, run_in_thread):

@@ -23,18 +23,16 @@ either into a transformers model as an attention implementation.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "PACKED_ROWS",
     "RING_ATTENTION",
     "gather_sequence",
-    "packed_rows",
     "ring_attention",
     "ring_flash_attention",
     "sequence_starts",
@@ -45,7 +43,11 @@ __all__ = [
 RING_ATTENTION = "rlhf_ring_attention"
 """Name under which :func:`use_ring_attention` registers the attention function with transformers."""
 
-_GROUP: dict[str, Any] = {"group": None, "packed": False}
+PACKED_ROWS = "rlhf_packed_rows"
+"""Keyword argument to pass (``True``) to a ring-attention model's forward for packed rows: transformers
+hands it to the attention function, also when gradient checkpointing recomputes a layer."""
+
+_GROUP: dict[str, Any] = {"group": None}
 
 
 def _ring_pass(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
@@ -206,7 +208,7 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
     group = _GROUP["group"]
-    if _GROUP["packed"]:
+    if kwargs.get(PACKED_ROWS, False):
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError("ring attention over packed rows needs the position_ids of this rank's chunk")
@@ -223,24 +225,15 @@ def use_ring_attention(model: Any, group: Any = None) -> None:
 
     Feed each rank its chunk of ``input_ids`` with *global* ``position_ids`` and no
     ``attention_mask`` (right padding only: causal attention keeps pad tokens at the end harmless);
-    for packed rows, the chunk of the packed ``position_ids`` inside :func:`packed_rows`.
+    for packed rows, the chunk of the packed ``position_ids`` and ``rlhf_packed_rows=True``
+    (:data:`PACKED_ROWS`). On GPU, packed rows take the pure-torch ring, whose ``[B, H, C, C]`` fp32
+    score blocks grow with the square of the chunk length (ring-flash-attn serves padded rows).
     """
     from transformers import AttentionInterface
 
     AttentionInterface.register(RING_ATTENTION, _attention_interface)
     _GROUP["group"] = group
     model.set_attn_implementation(RING_ATTENTION)
-
-
-@contextlib.contextmanager
-def packed_rows(packed: bool = True) -> Iterator[None]:
-    """Within this context the ring attention treats rows as packed: it derives each token's sequence
-    from the ``position_ids`` it is given (:func:`sequence_starts`) and masks across sequences."""
-    before, _GROUP["packed"] = _GROUP["packed"], packed
-    try:
-        yield
-    finally:
-        _GROUP["packed"] = before
 
 
 def split_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch.Tensor:

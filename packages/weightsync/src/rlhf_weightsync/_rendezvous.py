@@ -7,6 +7,7 @@ names the ranks that did not answer and, for peers on this host, whether their p
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -64,12 +65,12 @@ class Rendezvous:
             )
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s: expected a finite positive number of seconds, got {timeout_s!r}")
         connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
-        if not connect_timeout_s > 0:
+        if not (connect_timeout_s > 0 and math.isfinite(connect_timeout_s)):
             raise ValueError(
-                f"connect_timeout_s: expected a positive number of seconds, got {connect_timeout_s!r}"
+                f"connect_timeout_s: expected a finite positive number of seconds, got {connect_timeout_s!r}"
             )
         if not isinstance(master_port, int) or not 0 < master_port < 65536:
             raise ValueError(f"master_port: expected a TCP port number, got {master_port!r}")
@@ -143,13 +144,16 @@ class Rendezvous:
     def wait(self, keys: list[tuple[str, int]], *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every ``(key, rank_that_sets_it)`` exists; PeerTimeoutError names the missing ranks.
 
-        A receiver waiting for keys of the sender blocks in the store's own ``wait`` (it wakes the
-        moment the key is set; the sender hosting the store, its death breaks the connection at once).
-        Other waits poll the store (with a back-off from 0.1 ms to 2 ms during the first second, then
-        to 50 ms), and every ``POLL_S`` seconds check whether a missing peer on this host has exited:
-        a dead peer fails the wait at once instead of at the timeout.
+        A receiver waiting for keys of the sender blocks in the store's own ``wait`` (in a thread, on
+        a connection of its own: it wakes the moment the key is set, and the sender hosting the store,
+        its death breaks the connection). Other waits poll the store (with a back-off from 0.1 ms to
+        2 ms during the first second, then to 50 ms). Either way, every ``POLL_S`` seconds the wait
+        checks whether a missing peer on this host has exited: a dead peer fails the wait at once
+        instead of at the timeout.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout_s: expected a finite positive number of seconds, got {timeout_s!r}")
         if self.rank != 0 and all(r == 0 for _, r in keys) and self._blocking_wait(keys, what, timeout):
             return
         names = [k for k, _ in keys]
@@ -179,10 +183,17 @@ class Rendezvous:
                 self._waiter = _SenderKeyWaiter(dist.PrefixStore(_PREFIX, self._raw.clone()))
             except Exception:  # a store without clone(): poll
                 return False
-        if self._waiter.busy:  # still blocked in a wait that an interrupt abandoned: poll
+        if self._waiter.busy:  # still blocked in a wait that an interrupt or error abandoned: poll
             return False
         t0 = time.monotonic()
-        error = self._waiter.wait([k for k, _ in keys], timeout)
+        done, result = self._waiter.start([k for k, _ in keys], t0 + timeout)
+        while not done.wait(POLL_S):
+            # The sender's process may be gone while its socket lives on (e.g. in a forked child).
+            now = time.monotonic()
+            self.raise_if_gone(
+                [0], what=what, waited=now - t0, timeout=timeout, final=now > t0 + timeout + POLL_S
+            )
+        error = result[0]
         if error is None:
             return True
         waited = time.monotonic() - t0
@@ -235,27 +246,40 @@ class Rendezvous:
 
 class _SenderKeyWaiter:
     """Runs the store's blocking ``wait`` in a daemon thread on its own store connection, so that the
-    caller's wait stays interruptible (Ctrl-C) while it sleeps until the key is set."""
+    caller keeps control (liveness checks, Ctrl-C) while the thread sleeps until the key is set. A
+    wait the caller abandoned ends at its deadline or when the store goes away."""
+
+    MAX_CHUNK_S = 86400.0  # one store wait at most a day long (huge values overflow inside the store)
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
-        self.busy = False
+        self._thread: threading.Thread | None = None
 
-    def wait(self, names: list[str], timeout: float) -> BaseException | None:
-        """Block until ``names`` exist (None) or the store's wait fails (its exception)."""
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, names: list[str], deadline: float) -> tuple[threading.Event, list[BaseException | None]]:
+        """Start waiting for ``names`` until ``deadline`` (``time.monotonic()``); ``done`` is set when
+        the wait ends, with ``result[0]`` None (the keys exist) or the store's exception."""
         done = threading.Event()
         result: list[BaseException | None] = [None]
 
         def run() -> None:
             try:
-                self._store.wait(names, timedelta(seconds=timeout))
+                while True:
+                    left = deadline - time.monotonic()
+                    try:
+                        self._store.wait(names, timedelta(seconds=max(min(left, self.MAX_CHUNK_S), 1e-3)))
+                        return
+                    except dist.DistStoreError as exc:
+                        if "timeout" not in str(exc).lower() or time.monotonic() >= deadline:
+                            raise
             except BaseException as exc:
                 result[0] = exc
             finally:
-                self.busy = False
                 done.set()
 
-        self.busy = True
-        threading.Thread(target=run, name="rlhf-weightsync-wait", daemon=True).start()
-        done.wait()
-        return result[0]
+        self._thread = threading.Thread(target=run, name="rlhf-weightsync-wait", daemon=True)
+        self._thread.start()
+        return done, result

@@ -142,7 +142,7 @@ class Actor(nn.Module):
     ) -> ActorOutput:
         import torch.distributed as dist
 
-        from rlhf_learner.ring_attention import gather_sequence, packed_rows, split_sequence
+        from rlhf_learner.ring_attention import PACKED_ROWS, gather_sequence, split_sequence
 
         if attention_mask is not None:
             m = attention_mask.long()
@@ -157,12 +157,12 @@ class Actor(nn.Module):
             pos = torch.arange(width, device=ids.device).expand(b, width)
         else:  # padding: each pad token a sequence of its own (position 0)
             pos = torch.nn.functional.pad(packed, (0, width - t))
-        with packed_rows(packed is not None):
-            local = self.model(
-                input_ids=split_sequence(ids, group=self.sp_group),
-                position_ids=split_sequence(pos, group=self.sp_group),
-                use_cache=False,
-            ).logits
+        local = self.model(
+            input_ids=split_sequence(ids, group=self.sp_group),
+            position_ids=split_sequence(pos, group=self.sp_group),
+            use_cache=False,
+            **({PACKED_ROWS: True} if packed is not None else {}),
+        ).logits
         labels = split_sequence(nxt, group=self.sp_group)
         # Column j of the gathered tensor predicts token j + 1; shift onto the inputs.
         lp = gather_sequence(token_logprobs(local, labels, temperature=self.temperature), group=self.sp_group)

@@ -124,7 +124,9 @@ def kto_step(
     rows) and ``desirable`` ``[N]``. The reference point is
     ``kl_baseline_fn(policy_kl_logp, ref_kl_logp)`` over the mismatched rows of this micro-batch on
     every data-parallel rank (all-gathered, detached; as TRL and OpenRLHF estimate it), so it does not
-    depend on how the batch is split over ranks. Loss: mean over examples of
+    depend on how the batch is split over ranks. (Ranks of a sequence-parallel group hold the same
+    rows, so each row appears once per such rank: harmless for a mean such as rlhf-algos'
+    ``kto_kl_baseline``.) Loss: mean over examples of
     ``kto_loss_fn(policy_logp, ref_logp, desirable, kl_baseline)`` (e.g. ``partial(rlhf_algos.kto_loss, beta=0.1)``)."""
 
     def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -132,7 +134,8 @@ def kto_step(
         seq = sequence_logp(out.logp, mb["loss_mask"])
         n = seq.shape[0] // 2
         ref = mb["ref_logp"]
-        z0 = kl_baseline_fn(all_gather_rows(seq[n:], engine), all_gather_rows(ref[n:], engine))
+        kl_rows = all_gather_rows(torch.stack([seq[n:].float(), ref[n:].float()], dim=-1), engine)
+        z0 = kl_baseline_fn(kl_rows[:, 0], kl_rows[:, 1])
         losses = kto_loss_fn(seq[:n], ref[:n], mb["desirable"], z0)
         return _per_seq_mean(losses, c), {"kl_baseline": z0.detach().expand(n).sum()}
 
