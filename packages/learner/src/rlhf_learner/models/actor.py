@@ -11,7 +11,7 @@ from torch import nn
 from rlhf_learner.models.loading import (
     ModelOptions,
     check_model_dir,
-    check_sequence_length,
+    input_positions,
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
@@ -100,15 +100,8 @@ class Actor(nn.Module):
     ) -> ActorOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
-        if position_ids is not None:
-            check_sequence_length(self.config, int(position_ids.max()) + 1, what="position_ids")
-        else:
-            check_sequence_length(self.config, input_ids.shape[1])
-        if attention_mask is not None and position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            packed = None
-        else:
-            packed = position_ids
+        packed = position_ids  # as the caller gave them: packed rows
+        position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
         if self.sp_group is not None:
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
         kwargs: dict[str, Any] = {}

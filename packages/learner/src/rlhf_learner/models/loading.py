@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["ModelOptions", "check_model_dir", "check_sequence_length", "zero3_construction"]
+__all__ = [
+    "ModelOptions",
+    "check_model_dir",
+    "check_sequence_length",
+    "input_positions",
+    "zero3_construction",
+]
 
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 
@@ -81,6 +87,23 @@ def check_sequence_length(config: Any, length: int, *, what: str = "input_ids") 
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and length > limit:
         raise ValueError(f"{what}: sequence length {length} exceeds the model's maximum of {limit} positions")
+
+
+def input_positions(
+    config: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Check the rows' length against ``config`` and return their position ids: ``position_ids`` as
+    given (packed rows), else derived from a (right-padded) ``attention_mask``, else ``None``."""
+    if position_ids is not None:
+        check_sequence_length(config, int(position_ids.max()) + 1, what="position_ids")
+        return position_ids
+    check_sequence_length(config, input_ids.shape[1])
+    if attention_mask is None:
+        return None
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from torch import nn
 from rlhf_learner.models.loading import (
     ModelOptions,
     check_model_dir,
-    check_sequence_length,
+    input_positions,
     zero3_construction,
 )
 
@@ -71,12 +71,7 @@ class Critic(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if position_ids is not None:
-            check_sequence_length(self.config, int(position_ids.max()) + 1, what="position_ids")
-        else:
-            check_sequence_length(self.config, input_ids.shape[1])
-        if attention_mask is not None and position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
         trunk = self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
