@@ -52,6 +52,24 @@ class Trajectory:
     def response_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @classmethod
+    def from_generation(
+        cls, prompt_ids: Sequence[int], generation: Generation, *, reward: float, score: float, **fields: Any
+    ) -> Trajectory:
+        """``prompt + one generation``: the generation's tokens are the actions, with its logprobs;
+        truncated when it stopped at the length limit."""
+        p, out = list(prompt_ids), list(generation.token_ids)
+        return cls(
+            token_ids=p + out,
+            action_mask=[False] * len(p) + [True] * len(out),
+            logprobs=[0.0] * len(p) + list(generation.logprobs),
+            prompt_len=len(p),
+            reward=reward,
+            score=score,
+            truncated=generation.finish_reason == "length",
+            **fields,
+        )
+
 
 async def agenerate(
     engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams

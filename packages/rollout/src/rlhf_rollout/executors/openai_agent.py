@@ -38,16 +38,12 @@ def trajectories_from_records(
             prev.logprobs += [0.0] * len(tail) + list(g.logprobs)
             prev.truncated = g.finish_reason == "length"
             continue
-        p = list(rec.prompt_ids)
         out.append(
-            Trajectory(
-                token_ids=p + list(g.token_ids),
-                action_mask=[False] * len(p) + [True] * len(g.token_ids),
-                logprobs=[0.0] * len(p) + list(g.logprobs),
-                prompt_len=len(p),
+            Trajectory.from_generation(
+                rec.prompt_ids,
+                g,
                 reward=reward,
                 score=reward,
-                truncated=g.finish_reason == "length",
                 prompt_index=prompt_index,
                 sample_index=sample_index,
             )

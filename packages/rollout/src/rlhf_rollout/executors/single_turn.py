@@ -72,16 +72,12 @@ class SingleTurnExecutor(AgentExecutorBase):
         result = await self._score(prompts, labels, flat)
         out = []
         for k, (i, j, g) in enumerate(flat):
-            prompt = list(prompts[i])
             out.append(
-                Trajectory(
-                    token_ids=prompt + list(g.token_ids),
-                    action_mask=[False] * len(prompt) + [True] * len(g.token_ids),
-                    logprobs=[0.0] * len(prompt) + list(g.logprobs),
-                    prompt_len=len(prompt),
+                Trajectory.from_generation(
+                    prompts[i],
+                    g,
                     reward=result.rewards[k],
                     score=result.scores[k],
-                    truncated=g.finish_reason == "length",
                     prompt_index=i,
                     sample_index=j,
                     extra_logs={key: v[k] for key, v in result.extra_logs.items()},
