@@ -97,13 +97,18 @@ def test_reference_is_frozen(tiny_model_dir):
 def test_critic_values_and_reward_at_last_real_token(tiny_model_dir, tmp_path):
     critic = load_critic(tiny_model_dir)
     ids = torch.randint(3, 400, (1, 6))
-    v = critic(ids)
-    assert v.shape == (1, 6)
+    with torch.no_grad():
+        v = critic.values(ids)
+        aligned = critic(ids)
+    assert v.shape == aligned.shape == (1, 6)
     # The trunk is the causal LM's: same hidden states.
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         h = lm.model(ids).last_hidden_state
         torch.testing.assert_close(v, critic.model.score(h).squeeze(-1), atol=1e-5, rtol=0)
+    # Calling the critic gives the value of the state before each token (read one position earlier).
+    torch.testing.assert_close(aligned[:, 1:], v[:, :-1], atol=0, rtol=0)
+    assert aligned[0, 0] == 0
 
     rm = load_reward_model(tiny_model_dir)
     right = torch.zeros(2, 8, dtype=torch.long)

@@ -19,6 +19,7 @@ from rlhf_learner.models.loading import (
     input_positions,
     zero3_construction,
 )
+from rlhf_learner.models.logprobs import shift_to_inputs
 
 __all__ = ["Critic", "RewardModel", "last_token_index", "load_critic", "load_reward_model"]
 
@@ -50,7 +51,9 @@ def last_token_index(
 
 
 class Critic(nn.Module):
-    """Per-token values ``V(x_<=t)``: the scalar head applied to every hidden state."""
+    """A value model. :meth:`values` is the scalar head on every hidden state, ``V(x_<=t)`` at column
+    ``t``; calling the critic gives the same values aligned with the actor's log-probs (see
+    :meth:`forward`), which is what GAE and the critic loss take."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -77,9 +80,20 @@ class Critic(nn.Module):
         )
         return self.model.score(trunk.last_hidden_state).squeeze(-1).float()
 
-    def forward(self, input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
-        """``[B, T]`` values."""
-        return self.values(input_ids, **kw)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[B, T]`` state values aligned with the tokens: column ``t`` holds ``V(x_<t)``, the value of
+        the state in which token ``t`` was chosen (the head read at ``t - 1``), as ``Actor``'s
+        ``logp[:, t]`` is ``log pi(x_t | x_<t)``. So ``values[:, t]`` and ``logp[:, t]`` describe the same
+        action, which is the pairing GAE's ``delta_t = r_t + gamma V_{t+1} - V_t`` needs. Column 0 and,
+        for packed rows, each sequence's first token have no preceding state and hold 0."""
+        v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return shift_to_inputs(v[:, :-1], position_ids)
 
 
 class RewardModel(Critic):

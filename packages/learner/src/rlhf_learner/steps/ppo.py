@@ -116,8 +116,8 @@ def critic_step(
     ``input_ids``, ``attention_mask`` / ``position_ids``, ``action_mask``, ``old_values``, ``returns``.
     Per token: ``value_loss_fn(values, old_values, returns, mask)``, reduced by ``aggregate_fn``.
 
-    ``values[:, t]`` is the critic's value at token ``t``; callers align ``returns`` to the same
-    positions they used for the advantages."""
+    ``values[:, t]`` is ``Critic``'s output: the value of the state before token ``t``, aligned with
+    the actor's log-probs, the positions GAE's advantages and returns are computed at."""
 
     def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = mb["action_mask"]
