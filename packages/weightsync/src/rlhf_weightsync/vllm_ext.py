@@ -11,8 +11,12 @@ which re-runs vLLM's post-load processing: on the CPU backend the forward uses p
 of the GEMM weights that a plain ``model.load_weights`` would leave stale. Its layer-wise reload
 keeps loaded tensors until a layer is complete, so each tensor is cloned out of the transport's
 buffer first; and it re-processes only layers that received weights, so a tied ``lm_head`` is fed
-the embedding explicitly (see ``_owned_with_tied_head``). Call ``llm.reset_prefix_cache()`` after every update: cached prompt KV from old
-weights would otherwise be reused.
+the embedding explicitly (see ``_owned_with_tied_head``). There is no fallback to a plain
+``load_weights``: on a worker without ``reload_weights``, ``receive_weights`` raises a
+``RuntimeError`` saying so, from its load callback before any tensor is loaded, so the sync is still
+drained (sender and receivers stay in step) and the sender's ``send`` raises a ``WeightSyncError``
+naming this rank and that reason instead of waiting for a timeout. Call ``llm.reset_prefix_cache()``
+after every update: cached prompt KV from old weights would otherwise be reused.
 """
 
 from __future__ import annotations
@@ -104,13 +108,24 @@ class WeightSyncWorkerExtension:
         if receiver is None:
             raise RuntimeError("receive_weights: call init_weight_sync first")
 
+        reload = getattr(self, "reload_weights", None)
+
         def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-            owned = _owned_with_tied_head(named_tensors, tied=_ties_embeddings(self))
-            reload = getattr(self, "reload_weights", None)
-            if reload is not None:
-                reload(weights_iterator=owned, is_checkpoint_format=True)
-            else:  # older vLLM workers: plain load (fine on GPU, stale pre-packed weights on CPU)
-                self.model_runner.model.load_weights(owned)  # type: ignore[attr-defined]
+            # Raised in here, before any tensor is taken, rather than before ``receive``: the
+            # receiver then drains the sync and reports this reason to the sender, whose ``send``
+            # raises with it (raising before ``receive`` would leave the sender waiting for a timeout).
+            if not callable(reload):
+                raise RuntimeError(
+                    f"receive_weights: the vLLM worker {type(self).__name__} has no "
+                    "reload_weights(weights_iterator=..., is_checkpoint_format=True); it is needed so "
+                    "vLLM's post-load processing re-runs (a plain model.load_weights would leave stale "
+                    "pre-packed GEMM weights on the CPU backend). Nothing was loaded; use a vLLM "
+                    "version whose worker has reload_weights."
+                )
+            reload(
+                weights_iterator=_owned_with_tied_head(named_tensors, tied=_ties_embeddings(self)),
+                is_checkpoint_format=True,
+            )
 
         stats = receiver.receive(load, timeout_s=timeout_s, aliases=True)
         return {
