@@ -157,6 +157,20 @@ def test_a_dead_sender_is_noticed_even_while_a_forked_child_keeps_its_sockets_op
         proc.wait()
 
 
+@pytest.fixture
+def sigint_raises_keyboard_interrupt():
+    """Python's own SIGINT handler (raise ``KeyboardInterrupt``) for the test, the previous one restored
+    after. A non-interactive shell starts background jobs with SIGINT ignored, and Python then installs
+    no handler: a SIGINT sent to the test would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: the previous handler was not installed from Python
+            signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises_keyboard_interrupt")
 def test_a_receiver_waiting_for_the_sender_can_be_interrupted_and_then_still_receives(pair, run_in_thread):
     sender, receiver = pair("shm", bucket_bytes=BUCKET)
     with pytest.raises(ValueError, match="timeout_s: expected a finite positive number of seconds, got inf"):
