@@ -1,0 +1,153 @@
+"""Typed batches between the recipe and the learner groups: one sample, and one micro-batch type per
+update step (rows packed by default)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from rlhf_learner import pack_sequences
+
+__all__ = ["PolicyBatch", "Rows", "SFTBatch", "Sample", "ValueBatch", "pad_stack", "to_rows"]
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One trajectory; every tensor is ``[T]`` aligned with ``token_ids`` (log-probs and values at
+    column ``t`` describe the choice of token ``t``)."""
+
+    token_ids: torch.Tensor
+    action_mask: torch.Tensor
+    """True on the tokens the policy sampled (the ones trained on)."""
+    rollout_logp: torch.Tensor
+    """The engine's log-probs of the sampled tokens (0 elsewhere)."""
+    score: float
+    """The reward source's score (what filters and pass rates read)."""
+    reward: float
+    """The sequence reward the advantages start from (score plus penalties)."""
+    truncated: bool
+    prompt_index: int
+    weight_version: int
+    """Version of the engine's weights that sampled it."""
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.action_mask.sum())
+
+
+@dataclass(kw_only=True)
+class Rows:
+    """Sequences laid out as model rows: packed (``position_ids``) or right-padded (``attention_mask``)."""
+
+    tensors: dict[str, torch.Tensor]
+    placement: list[tuple[int, int, int]]
+    """For each sequence: ``(row, start, length)``."""
+
+    def split(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """A per-token ``[R, L]`` result back into one ``[T_i]`` tensor per sequence."""
+        return [value[r, s : s + n] for r, s, n in self.placement]
+
+
+def to_rows(sequences: Sequence[dict[str, torch.Tensor]], *, packing: bool) -> Rows:
+    """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: one packed
+    row (``position_ids`` restart per sequence, no padding between them) or right-padded rows."""
+    if packing:
+        total = sum(int(s["input_ids"].shape[0]) for s in sequences)
+        packed = pack_sequences(sequences, max_tokens_per_row=total)
+        return Rows(tensors=packed.tensors, placement=packed.placement)
+    width = max(int(s["input_ids"].shape[0]) for s in sequences)
+    out = {k: pad_stack([s[k] for s in sequences], width) for k in sequences[0]}
+    out["attention_mask"] = pad_stack([torch.ones_like(s["input_ids"]) for s in sequences], width)
+    return Rows(
+        tensors=out, placement=[(i, 0, int(s["input_ids"].shape[0])) for i, s in enumerate(sequences)]
+    )
+
+
+def pad_stack(values: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Right-pad 1-D tensors with zeros to ``width`` (default: the longest) and stack them."""
+    width = width or max(int(v.shape[0]) for v in values)
+    out = torch.zeros((len(values), width), dtype=values[0].dtype)
+    for i, v in enumerate(values):
+        out[i, : v.shape[0]] = v
+    return out
+
+
+@dataclass(kw_only=True)
+class _StepBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def step_input(self) -> dict[str, torch.Tensor]:
+        """The mapping rlhf-learner's update steps read (only the fields that are set)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def _rows(cls, samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool) -> dict:
+        seqs = []
+        for s in samples:
+            d = {"input_ids": s.token_ids}
+            for out_name, attr in per_token.items():
+                value = getattr(s, attr)
+                if value is None:
+                    raise ValueError(f"{cls.__name__}: sample has no {attr}")
+                d[out_name] = value
+            seqs.append(d)
+        return to_rows(seqs, packing=packing).tensors
+
+
+@dataclass(kw_only=True)
+class PolicyBatch(_StepBatch):
+    """A micro-batch for ``ppo_actor_step``."""
+
+    action_mask: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls, samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
+    ) -> PolicyBatch:
+        per_token = {"action_mask": "action_mask", "old_logp": "old_logp", "advantages": "advantages"}
+        if with_ref:
+            per_token["ref_logp"] = "ref_logp"
+        if with_rollout:
+            per_token["rollout_logp"] = "rollout_logp"
+        return cls(**cls._rows(samples, per_token, packing=packing))
+
+
+@dataclass(kw_only=True)
+class ValueBatch(_StepBatch):
+    """A micro-batch for ``critic_step``."""
+
+    action_mask: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+
+    @classmethod
+    def build(cls, samples: Sequence[Sample], *, packing: bool) -> ValueBatch:
+        per_token = {"action_mask": "action_mask", "old_values": "values", "returns": "returns"}
+        return cls(**cls._rows(samples, per_token, packing=packing))
+
+
+@dataclass(kw_only=True)
+class SFTBatch(_StepBatch):
+    """A micro-batch for ``sft_step``: the loss is on ``loss_mask`` tokens."""
+
+    loss_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, samples: Sequence[Sample], *, packing: bool) -> SFTBatch:
+        return cls(**cls._rows(samples, {"loss_mask": "action_mask"}, packing=packing))

@@ -1,0 +1,16 @@
+"""The base of every configuration section: strict, typed, documented by attribute docstrings."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Section"]
+
+
+class Section(BaseModel):
+    """A namespace of the configuration tree. Unknown keys are errors; each field's docstring is its
+    ``--help`` line."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False
+    )

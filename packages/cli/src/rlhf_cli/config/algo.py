@@ -1,0 +1,121 @@
+"""The RL algorithm: advantage estimator, KL, clipping, corrections, filters and penalties."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from rlhf_algos import EstimatorName, ISCorrection, KLEstimator, LossAggregation, RatioType
+
+from rlhf_cli.config._base import Section
+
+__all__ = [
+    "AdvantageConfig",
+    "AlgoConfig",
+    "ClipConfig",
+    "DynamicFilteringConfig",
+    "ISCorrectionConfig",
+    "KLConfig",
+    "OverlongConfig",
+]
+
+
+class AdvantageConfig(Section):
+    estimator: EstimatorName = "group_norm"
+    """gae (needs the critic), reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (gae only)."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip sequence rewards to [-reward_clip, reward_clip]."""
+
+
+class KLConfig(Section):
+    estimator: KLEstimator = "k3"
+    """KL estimator: k1, k2, k3 (k1+ / k3+: straight-through variants for the KL loss)."""
+    coef: float = Field(0.0, ge=0)
+    """KL coefficient (initial value when adaptive); 0 switches the KL term and the reference group off."""
+    use_loss: bool = False
+    """Apply the KL as a loss term (GRPO style) instead of a per-token reward penalty."""
+    in_reward: bool | None = None
+    """Apply the KL as a per-token reward penalty; unset: whenever use_loss is off."""
+    target: float | None = Field(None, gt=0)
+    """Adaptive coefficient: the KL to steer towards (Ziegler et al.); unset: a fixed coefficient."""
+    horizon: int = Field(10000, ge=1)
+    """Adaptive coefficient: its horizon in samples."""
+
+    @model_validator(mode="after")
+    def _one_place(self) -> KLConfig:
+        if self.use_loss and self.in_reward:
+            raise ValueError(
+                "kl: --algo.kl.use_loss and --algo.kl.in_reward cannot both be on (the KL would count twice)"
+            )
+        if self.target is not None and self.use_loss:
+            raise ValueError(
+                "kl: --algo.kl.target (adaptive KL) steers the in-reward penalty; it cannot be used with --algo.kl.use_loss"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+    @property
+    def reward_penalty(self) -> bool:
+        return self.enabled and (self.in_reward if self.in_reward is not None else not self.use_loss)
+
+
+class ClipConfig(Section):
+    eps_low: float = Field(0.2, ge=0)
+    """PPO clip range below 1."""
+    eps_high: float | None = Field(None, ge=0)
+    """PPO clip range above 1 (clip-higher, DAPO); unset: eps_low."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (> 1)."""
+    ratio_type: RatioType = "token"
+    """token (PPO) or sequence (GSPO; use eps around 3e-4)."""
+    value_eps: float | None = Field(0.2, gt=0)
+    """Critic value clip range; unset: no value clipping."""
+
+
+class ISCorrectionConfig(Section):
+    mode: ISCorrection | Literal["none"] = "none"
+    """Engine-vs-learner log-prob correction: none, tis, icepop or seq-mask-tis."""
+    low: float = Field(0.0, ge=0)
+    """Lower bound of the importance ratio."""
+    high: float = Field(2.0, gt=0)
+    """Upper bound of the importance ratio."""
+
+
+class DynamicFilteringConfig(Section):
+    enable: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose mean score is outside (low, high), sample more."""
+    low: float = 0.0
+    """Keep groups whose mean score is above this."""
+    high: float = 1.0
+    """Keep groups whose mean score is below this."""
+    max_rounds: int = Field(4, ge=1)
+    """Sampling rounds per step at most; a batch still short then is filled with dropped groups."""
+
+
+class OverlongConfig(Section):
+    buffer_length: int = Field(0, ge=0)
+    """DAPO soft overlong penalty over the last N tokens before max_new_tokens; 0: off."""
+    penalty_factor: float = Field(1.0, ge=0)
+    """Penalty at max_new_tokens."""
+
+
+class AlgoConfig(Section):
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    clip: ClipConfig = Field(default_factory=ClipConfig)
+    is_correction: ISCorrectionConfig = Field(default_factory=ISCorrectionConfig)
+    dynamic_filtering: DynamicFilteringConfig = Field(default_factory=DynamicFilteringConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    stop_penalty: float | None = None
+    """Responses cut at max_new_tokens: reward x coef (coef >= 0) or replaced by coef (coef < 0)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    loss_agg: LossAggregation = "token-mean"
+    """Policy loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""

@@ -1,0 +1,273 @@
+"""Build a configuration tree from a YAML file and dotted flags; errors name the flag or key."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import itertools
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["ConfigError", "FieldInfo", "build_config", "dump_yaml", "iter_fields", "parse_flags"]
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, in one line that names the flag, file or key."""
+
+
+class FieldInfo(typing.NamedTuple):
+    path: str
+    """Dotted path, e.g. ``algo.kl.coef``."""
+    annotation: Any
+    default: Any
+    doc: str
+
+
+def _branch_type(annotation: Any) -> type | None:
+    """The section (pydantic model or dataclass) inside ``X`` / ``X | None``, if any."""
+    args = (
+        typing.get_args(annotation)
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+        else (annotation,)
+    )
+    for a in args:
+        if isinstance(a, type) and (issubclass(a, BaseModel) or is_dataclass(a)):
+            return a
+    return None
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a class and its bases (the string literal after each field)."""
+    import ast
+    import inspect
+
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(inspect.getsource(klass))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, nxt in itertools.pairwise(body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                out[stmt.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def _children(cls: type) -> Iterator[tuple[str, Any, Any]]:
+    """``(name, annotation, default)`` of a section's fields."""
+    if issubclass(cls, BaseModel):
+        for name, f in cls.model_fields.items():
+            default = f.default_factory() if f.default_factory is not None else f.default
+            yield name, f.annotation, default
+    else:
+        hints = typing.get_type_hints(cls)
+        instance_defaults = {}
+        with contextlib.suppress(TypeError):
+            instance_defaults = {f.name: getattr(cls(), f.name) for f in fields(cls)}
+        for f in fields(cls):
+            yield f.name, hints[f.name], instance_defaults.get(f.name)
+
+
+def iter_fields(cls: type, prefix: str = "", default: Any = None) -> Iterator[FieldInfo]:
+    """Every leaf of the tree under ``cls`` with its dotted path, type, default and docstring."""
+    docs = _attribute_docs(cls)
+    for name, annotation, dflt in _children(cls):
+        if default is not None:
+            dflt = getattr(default, name, dflt)
+        path = f"{prefix}{name}"
+        branch = _branch_type(annotation)
+        if branch is not None:
+            yield from iter_fields(branch, path + ".", dflt)
+        else:
+            yield FieldInfo(path, annotation, dflt, docs.get(name, ""))
+
+
+def _is_list(annotation: Any) -> bool:
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    return any(typing.get_origin(a) in (list, tuple, typing.Sequence) for a in args if a is not None)
+
+
+def _is_bool(annotation: Any) -> bool:
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    return bool in args
+
+
+def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
+    close = difflib.get_close_matches(path, valid, n=1, cutoff=0.6)
+    if not close:
+        # try the last segment alone (e.g. --lr for --actor.lr)
+        leaf = path.rsplit(".", 1)[-1]
+        close = [v for v in valid if v.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean {dash}{close[0]}?" if close else ""
+
+
+def _set(tree: dict, path: str, value: Any, *, append: bool) -> None:
+    node = tree
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{path}: {p} is a value, not a section")
+    if append and isinstance(node.get(leaf), list):
+        node[leaf] = node[leaf] + list(value)
+    else:
+        node[leaf] = value
+
+
+def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
+    """``--a.b value`` / ``--a.b=value`` / a bare ``--flag`` for booleans, into a nested dict.
+
+    Values are read as YAML scalars (``1e-3``, ``true``, ``null``); list fields take repeated flags
+    or comma-separated values. Unknown flags raise naming the closest valid one."""
+    leaves = {f.path: f for f in iter_fields(cls)}
+    sections = {p.rsplit(".", i)[0] for p in leaves for i in range(1, p.count(".") + 1)}
+    tree: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.key value")
+        name, eq, raw = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        info = leaves.get(name)
+        if info is None:
+            # a section given a whole YAML mapping (e.g. --actor.lora '{rank: 8}') or a None-able section
+            if name in sections:
+                if not eq:
+                    i += 1
+                    if i >= len(argv):
+                        raise ConfigError(f"--{name}: expects a YAML mapping")
+                    raw = argv[i]
+                value = _scalar(raw, name)
+                if not isinstance(value, dict) and value is not None:
+                    raise ConfigError(f"--{name}: is a section; expected a YAML mapping, got {raw!r}")
+                _set(tree, name, value, append=False)
+                i += 1
+                continue
+            raise ConfigError(f"unknown flag --{name}{_suggest(name, list(leaves), dash='--')}")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if _is_bool(info.annotation) and (nxt is None or nxt.startswith("--")):
+                raw = "true"
+            elif nxt is None:
+                raise ConfigError(f"--{name}: expects a value")
+            else:
+                raw = nxt
+                i += 1
+        value: Any = _scalar(raw, name)
+        if _is_list(info.annotation):
+            value = value if isinstance(value, list) else [s for s in str(raw).split(",") if s]
+            _set(tree, name, value, append=True)
+        else:
+            _set(tree, name, value, append=False)
+        i += 1
+    return tree
+
+
+def _scalar(raw: str, name: str) -> Any:
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str) and _looks_numeric(value):
+        return raw
+    return value
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_yaml(path: Path, cls: type[BaseModel]) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config: file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    valid = [f.path for f in iter_fields(cls)]
+    sections = {p.rsplit(".", i)[0] for p in valid for i in range(1, p.count(".") + 1)}
+    for key, _ in _flat(data):
+        if key not in valid and key not in sections:
+            raise ConfigError(f"{path}: unknown key {key}{_suggest(key, valid, dash='')}")
+    return data
+
+
+def build_config(cls: type[T], argv: Sequence[str] = (), *, config_file: Path | None = None) -> T:
+    """The validated tree: defaults <- ``config_file`` (YAML) <- dotted flags in ``argv``."""
+    data = _load_yaml(config_file, cls) if config_file is not None else {}
+    flags = parse_flags(cls, argv)
+    merged = _merge(data, flags)
+    flag_paths = {p for p, _ in _flat(flags)}
+    try:
+        return cls.model_validate(merged)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "lax-", "json-")))
+        loc = _drop_type_tags(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not loc:
+            raise ConfigError(msg) from None
+        origin = "--" + loc if loc in flag_paths or not data else f"{loc} (in {config_file})"
+        got = e.get("input")
+        got_s = f" (got {got!r})" if not isinstance(got, dict) and e["type"] != "value_error" else ""
+        raise ConfigError(f"{origin}: {msg}{got_s}") from None
+
+
+def _drop_type_tags(loc: tuple) -> str:
+    """Pydantic locations include union-member tags (``StrategyOptions``, ``function-after[...]``)."""
+    parts = [str(x) for x in loc]
+    keep = [p for p in parts if p.isidentifier() and not p[:1].isupper()]
+    return ".".join(keep)
+
+
+def dump_yaml(config: BaseModel) -> str:
+    """The resolved tree as YAML that ``--config`` accepts again."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

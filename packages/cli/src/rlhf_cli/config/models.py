@@ -1,0 +1,84 @@
+"""Model groups: the trained actor and critic, the frozen reference, and the reward sources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from rlhf_learner import LoraOptions, ModelOptions
+
+from rlhf_cli.config._base import Section
+
+__all__ = ["ActorConfig", "CriticConfig", "GroupShape", "RefConfig", "RewardConfig"]
+
+
+class GroupShape(Section):
+    """How many Ray processes a learner group runs: nodes x devices per node data-parallel ranks."""
+
+    num_nodes: int = Field(1, ge=1)
+    """Nodes the group spans."""
+    num_devices_per_node: int = Field(1, ge=1)
+    """Processes (one GPU each on GPU clusters) per node."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_devices_per_node
+
+
+class ActorConfig(GroupShape):
+    pretrain: str | None = None
+    """Hugging Face folder of the policy; unset: the built-in demo (a tiny model built offline)."""
+    lr: float = Field(5e-3, gt=0)
+    """Actor learning rate (the built-in tiny model wants a large one; 1e-6 is typical for real LLMs)."""
+    model: ModelOptions = Field(default_factory=ModelOptions)
+    """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
+    lora: LoraOptions | None = None
+    """LoRA adapters on the actor (set any field, e.g. --actor.lora.rank 8, to switch it on)."""
+
+
+class CriticConfig(GroupShape):
+    enable: bool | None = None
+    """Run the critic group; unset: exactly when the estimator needs one (gae)."""
+    pretrain: str | None = None
+    """Folder the critic starts from (a causal LM gets a fresh value head); unset: the actor's."""
+    lr: float = Field(1e-3, gt=0)
+    """Critic learning rate."""
+    model: ModelOptions = Field(default_factory=ModelOptions)
+    """How the critic's transformers model is built."""
+
+
+class RefConfig(GroupShape):
+    pretrain: str | None = None
+    """Reference policy folder; unset: the actor's starting weights. Skipped when no KL term is used."""
+
+
+class RewardConfig(GroupShape):
+    func: Path | None = None
+    """A .py file defining reward_func(queries, prompts, labels) (it is executed: trust it)."""
+    pretrain: str | None = None
+    """A reward-model folder (*ForSequenceClassification, one label), run as its own Ray group."""
+    remote_url: list[str] = Field(default_factory=list)
+    """HTTP reward endpoint(s); repeat the flag or give a comma-separated list."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Timeout of each request to a remote reward endpoint."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        given = [
+            n
+            for n, v in (("func", self.func), ("pretrain", self.pretrain), ("remote_url", self.remote_url))
+            if v
+        ]
+        if len(given) > 1:
+            raise ValueError(f"reward: choose one source, got {', '.join('--reward.' + g for g in given)}")
+        return self
+
+    @property
+    def source(self) -> str | None:
+        if self.func:
+            return "func"
+        if self.pretrain:
+            return "model"
+        if self.remote_url:
+            return "remote"
+        return None

@@ -1,0 +1,138 @@
+"""The root of ``rlhf ppo``'s configuration tree and the checks that span namespaces."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from pydantic import Field, model_validator
+from rlhf_algos import ADVANTAGE_ESTIMATORS
+from rlhf_learner import StrategyOptions
+
+from rlhf_cli.config._base import Section
+from rlhf_cli.config.algo import AlgoConfig
+from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig
+from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
+from rlhf_cli.config.run import CkptConfig, DataConfig, EvalConfig, LoggerConfig, RayConfig, TrainConfig
+
+__all__ = ["DS_FIELDS_SET_ELSEWHERE", "PPOConfig"]
+
+DS_FIELDS_SET_ELSEWHERE = {
+    "lr": "--actor.lr / --critic.lr",
+    "micro_batch_size": "--train.micro_batch_size",
+    "grad_accum_steps": "--train.micro_batch_size (derived from the batch)",
+    "seed": "--train.seed",
+}
+"""StrategyOptions fields that each group takes from another flag; setting them under --ds is an error."""
+
+
+class PPOConfig(Section):
+    """``rlhf ppo``: PPO-family RL on Ray with rollout engines, learner groups and weight sync."""
+
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    weightsync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    ds: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
+    """DeepSpeed options shared by every learner group."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return ADVANTAGE_ESTIMATORS[self.algo.advantage.estimator].uses_critic
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algo.kl.enabled
+
+    @property
+    def builtin_task(self) -> bool:
+        """No model and no data given: the built-in demo task with its own reward."""
+        return self.actor.pretrain is None and self.data.path is None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.samples_per_step // self.actor.world_size // self.train.micro_batch_size
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PPOConfig:
+        est = ADVANTAGE_ESTIMATORS[self.algo.advantage.estimator]
+        n = self.rollout.n_samples_per_prompt
+        if est.group_shaping is not None and n < 2:
+            raise ValueError(
+                f"--algo.advantage.estimator {est.name} compares the samples of a prompt: it needs "
+                f"--rollout.n_samples_per_prompt >= 2, got {n}"
+            )
+        if self.algo.dynamic_filtering.enable and n < 2:
+            raise ValueError(
+                f"--algo.dynamic_filtering.enable needs --rollout.n_samples_per_prompt >= 2, got {n}"
+            )
+        if est.uses_critic and self.critic.enable is False:
+            raise ValueError(
+                f"--algo.advantage.estimator {est.name} needs a critic, but --critic.enable is false"
+            )
+        if not est.uses_critic and self.critic.enable:
+            raise ValueError(f"--critic.enable: the estimator {est.name} uses no critic (only gae does)")
+        default = StrategyOptions()
+        for f in fields(StrategyOptions):
+            if f.name in DS_FIELDS_SET_ELSEWHERE and getattr(self.ds, f.name) != getattr(default, f.name):
+                raise ValueError(f"--ds.{f.name}: set it with {DS_FIELDS_SET_ELSEWHERE[f.name]}")
+        ranks = self.actor.world_size
+        per_rank, rest = divmod(self.samples_per_step, ranks)
+        if rest:
+            raise ValueError(
+                f"--rollout.batch_size x --rollout.n_samples_per_prompt = {self.samples_per_step} samples "
+                f"cannot be split evenly over the actor's {ranks} data-parallel ranks"
+            )
+        if per_rank % self.train.micro_batch_size:
+            raise ValueError(
+                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
+                f"{per_rank} samples each of the actor's {ranks} ranks trains on per step"
+            )
+        if self.uses_critic and self.critic.world_size > 0 and (
+            self.samples_per_step % self.critic.world_size
+            or (self.samples_per_step // self.critic.world_size) % self.train.micro_batch_size
+        ):
+            raise ValueError(
+                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the samples "
+                f"each of the critic's {self.critic.world_size} ranks trains on per step"
+            )
+        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
+            raise ValueError(
+                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by rlhf ppo yet"
+            )
+        if self.algo.is_correction.low >= self.algo.is_correction.high:
+            raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
+        if self.algo.dynamic_filtering.low >= self.algo.dynamic_filtering.high:
+            raise ValueError("--algo.dynamic_filtering.low must be below --algo.dynamic_filtering.high")
+        ob = self.algo.overlong.buffer_length
+        if ob > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"--algo.overlong.buffer_length {ob} exceeds --rollout.max_new_tokens {self.rollout.max_new_tokens}"
+            )
+        if self.actor.pretrain is None and self.data.path is not None:
+            raise ValueError("--data.path is set but --actor.pretrain is not: give the model to train")
+        if not self.builtin_task and self.reward.source is None and self.train.agent_func_path is None:
+            raise ValueError(
+                "no reward: give --reward.func, --reward.pretrain, --reward.remote_url or --train.agent_func_path"
+            )
+        if self.actor.lora is not None and self.ds.zero_stage == 3:
+            raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        if self.rollout.backend != "vllm":
+            raise ValueError(
+                "--rollout.backend transformers: rlhf ppo syncs weights through the vLLM worker extension; "
+                "only vllm is supported for now"
+            )
+        return self

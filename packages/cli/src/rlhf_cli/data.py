@@ -1,0 +1,158 @@
+"""Prompts: read from a JSONL file or a local ``datasets`` folder, tokenised, served in a seeded order
+that a checkpoint can resume."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PromptCursor", "PromptRecord", "PromptSet", "load_records"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptRecord:
+    prompt: str | list[dict]
+    """Text, or chat messages (``[{"role": ..., "content": ...}]``)."""
+    label: Any = None
+
+
+def load_records(
+    path: Path,
+    *,
+    input_key: str,
+    label_key: str | None,
+    max_samples: int | None = None,
+    flag: str = "--data.path",
+) -> list[PromptRecord]:
+    """Records from ``path`` (``.jsonl`` file or ``datasets.save_to_disk`` folder). Errors name the file
+    and line (JSONL) or row (datasets) and the missing key."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{flag}: {str(path)!r} does not exist")
+    if path.is_dir():
+        rows = _dataset_rows(path, flag)
+        where = "row"
+    else:
+        rows = _jsonl_rows(path)
+        where = "line"
+    out: list[PromptRecord] = []
+    for number, row in rows:
+        if input_key not in row:
+            raise ValueError(
+                f"{path}, {where} {number}: no {input_key!r} key (--data.input_key); keys: {sorted(row)}"
+            )
+        if label_key is not None and label_key not in row:
+            raise ValueError(
+                f"{path}, {where} {number}: no {label_key!r} key (--data.label_key); keys: {sorted(row)}"
+            )
+        prompt = row[input_key]
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise ValueError(
+                f"{path}, {where} {number}: {input_key!r} must be non-empty text or a message list"
+            )
+        out.append(PromptRecord(prompt=prompt, label=row[label_key] if label_key is not None else None))
+        if max_samples is not None and len(out) >= max_samples:
+            break
+    if not out:
+        raise ValueError(f"{flag}: {str(path)!r} holds no prompts")
+    return out
+
+
+def _jsonl_rows(path: Path):
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}")
+            yield number, row
+
+
+def _dataset_rows(path: Path, flag: str):
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(
+            f"{flag}: {str(path)!r} is not a datasets folder saved with save_to_disk ({err})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{flag}: {str(path)!r} has splits {list(ds)} but no 'train'")
+        ds = ds["train"]
+    yield from enumerate(ds)
+
+
+@dataclass(kw_only=True)
+class PromptCursor:
+    """Where the data order stands: pass ``epoch`` of the seeded shuffle, position ``index`` in it."""
+
+    epoch: int = 0
+    index: int = 0
+
+
+@dataclass(kw_only=True)
+class PromptSet:
+    """Tokenised prompts and their labels, served in an order shuffled by ``seed`` (a new order each epoch)."""
+
+    token_ids: list[list[int]]
+    labels: list[Any]
+    seed: int
+    cursor: PromptCursor = field(default_factory=PromptCursor)
+
+    @classmethod
+    def from_records(
+        cls,
+        records: list[PromptRecord],
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool,
+        seed: int,
+        max_prompt_len: int,
+        source: str,
+    ) -> PromptSet:
+        ids = [encode_prompt(r.prompt, tokenizer, apply_chat_template=apply_chat_template) for r in records]
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"{source}: prompt {i} is empty after tokenisation")
+            if len(p) >= max_prompt_len:
+                raise ValueError(
+                    f"{source}: prompt {i} has {len(p)} tokens; --vllm.max_model_len {max_prompt_len} leaves no room"
+                )
+        return cls(token_ids=ids, labels=[r.label for r in records], seed=seed)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.token_ids)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, size: int) -> tuple[list[list[int]], list[Any]]:
+        """The next ``size`` prompts (wrapping into a new epoch as needed) and their labels."""
+        picked: list[int] = []
+        while len(picked) < size:
+            order = self._order(self.cursor.epoch)
+            take = order[self.cursor.index : self.cursor.index + size - len(picked)]
+            picked += take
+            self.cursor.index += len(take)
+            if self.cursor.index >= len(order):
+                self.cursor = PromptCursor(epoch=self.cursor.epoch + 1, index=0)
+        return [self.token_ids[i] for i in picked], [self.labels[i] for i in picked]
+
+
+def encode_prompt(prompt: str | list[dict], tokenizer: Any, *, apply_chat_template: bool) -> list[int]:
+    """Token ids of a prompt: the chat template with the generation prompt, or the plain text."""
+    if isinstance(prompt, list) or apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

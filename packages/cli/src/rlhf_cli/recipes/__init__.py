@@ -1,0 +1,1 @@
+"""Recipes: set-up -> train -> clean-up, top to bottom, each wiring the libraries for one command."""

@@ -1,0 +1,88 @@
+"""Where rewards and rollouts come from: the built-in task, a reward_func file, remote endpoints, a
+reward model, or an agent file (single-turn reward_func or multi-turn make_env)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf_rollout import (
+    AgentExecutorBase,
+    MultiTurnExecutor,
+    RemoteReward,
+    RewardFunction,
+    SamplingParams,
+    SingleTurnExecutor,
+)
+
+from rlhf_cli import task
+from rlhf_cli.config import PPOConfig
+
+__all__ = ["executor_factory", "load_agent_file"]
+
+
+def load_agent_file(path: Path) -> Any:
+    """Import an agent file; it must define ``make_env()`` (multi-turn) or ``reward_func`` (single-turn).
+    The file is executed: only pass files you trust."""
+    if not path.is_file():
+        raise ValueError(f"--train.agent_func_path: {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_rlhf_agent_{abs(hash(str(path.resolve())))}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--train.agent_func_path: {str(path)!r} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ValueError(f"--train.agent_func_path: importing {str(path)!r} failed: {err!r}") from err
+    if not callable(getattr(module, "make_env", None)) and not callable(getattr(module, "reward_func", None)):
+        raise ValueError(f"--train.agent_func_path: {str(path)!r} defines neither make_env() nor reward_func")
+    return module
+
+
+def _reward_source(cfg: PPOConfig) -> Any:
+    if cfg.builtin_task:
+        return RewardFunction(task.reward_func, name=f"built-in {task.TASK_NAME} reward")
+    if cfg.reward.func is not None:
+        try:
+            return RewardFunction.from_file(cfg.reward.func)
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            raise ValueError(f"--reward.func: {err}") from None
+    if cfg.reward.remote_url:
+        try:
+            return RemoteReward(cfg.reward.remote_url, timeout_s=cfg.reward.timeout_s)
+        except ValueError as err:
+            raise ValueError(f"--reward.remote_url: {err}") from None
+    return None  # a reward model group scores the samples, or the environment rewards them
+
+
+def executor_factory(
+    cfg: PPOConfig, *, engine: Any, tokenizer: Any
+) -> Callable[[SamplingParams], AgentExecutorBase]:
+    """``params -> executor`` for the configured rollout (checked once, here, before anything starts)."""
+    agent = load_agent_file(cfg.train.agent_func_path) if cfg.train.agent_func_path is not None else None
+    if agent is not None and callable(getattr(agent, "make_env", None)):
+        limit = cfg.vllm.max_model_len
+
+        def multi(params: SamplingParams) -> AgentExecutorBase:
+            return MultiTurnExecutor(
+                engine=engine,
+                params=params,
+                tokenizer=tokenizer,
+                env_factory=agent.make_env,
+                max_turns=cfg.train.max_turns,
+                max_length=limit,
+            )
+
+        return multi
+    reward = (
+        RewardFunction(agent.reward_func, name=f"reward_func in {cfg.train.agent_func_path}")
+        if agent
+        else _reward_source(cfg)
+    )
+
+    def single(params: SamplingParams) -> AgentExecutorBase:
+        return SingleTurnExecutor(engine=engine, params=params, tokenizer=tokenizer, reward=reward)
+
+    return single

@@ -1,0 +1,179 @@
+"""Run logging: metrics.jsonl always, TensorBoard and Weights & Biases when asked, a live progress
+display, and at the end a summary table and the reward curve as a PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Tracker"]
+
+_SHOWN = (
+    ("reward", "rollout/reward_mean", "{:.3f}"),
+    ("kl", "policy/kl", "{:.4f}"),
+    ("resp len", "rollout/response_length", "{:.1f}"),
+    ("eval pass", "eval/pass_rate", "{:.2f}"),
+)
+_TIME_SPLIT = ("generation", "reward", "reference", "learner", "sync")
+
+
+class Tracker:
+    """Writes one record per step to every sink. ``metrics.jsonl`` is appended, so a resumed run
+    continues the same file (records past the resume point are dropped first)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool,
+        wandb_project: str | None,
+        progress: bool,
+        total_steps: int,
+        config: dict,
+        resume_step: int = 0,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.history = self._load(resume_step)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
+        self.wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("--logger.wandb_project: install the rlhf-cli[wandb] extra") from None
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
+        self.total = total_steps
+        self._progress = None
+        if progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]ppo"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                transient=False,
+            )
+            self._task = self._progress.add_task("", total=total_steps, completed=resume_step)
+            self._progress.start()
+        self._t0 = time.monotonic()
+
+    def _load(self, resume_step: int) -> list[dict]:
+        if not resume_step or not self.path.is_file():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if r.get("step", 0) <= resume_step]
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items() if _finite(v)}}
+        self.history.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        if self._progress is not None and "rollout/reward_mean" in metrics:
+            self._progress.update(self._task, completed=step, description=self._line(record))
+
+    def _line(self, record: dict) -> str:
+        parts = [f"{label} {fmt.format(record[key])}" for label, key, fmt in _SHOWN if key in record]
+        times = [f"{k[:3]} {record['time/' + k]:.1f}s" for k in _TIME_SPLIT if "time/" + k in record]
+        return "  ".join(parts) + ("  |  " + " ".join(times) if times else "")
+
+    def close(self) -> str:
+        """Stop the sinks, draw ``reward_curve.png`` and return the summary table as text."""
+        if self._progress is not None:
+            self._progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.plot()
+        return self.summary()
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in self.history if key in r]
+
+    def plot(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (
+            ("rollout/reward_mean", "train reward (mean)"),
+            ("eval/pass_rate", "eval pass rate"),
+            ("eval/reward_mean", "eval reward (mean)"),
+        ):
+            pts = self.series(key)
+            if pts:
+                ax.plot(
+                    [s for s, _ in pts],
+                    [v for _, v in pts],
+                    marker="o" if key.startswith("eval") else None,
+                    label=label,
+                )
+        ax.set_xlabel("step")
+        ax.set_title("rlhf ppo")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        out = self.run_dir / "reward_curve.png"
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def summary(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"rlhf ppo summary ({self.run_dir})")
+        for col in ("metric", "first", "last", "best"):
+            table.add_column(col, justify="right" if col != "metric" else "left")
+        keys = [
+            "rollout/reward_mean",
+            "eval/pass_rate",
+            "eval/reward_mean",
+            "policy/kl",
+            "rollout/response_length",
+            "actor/loss",
+            "critic/value_loss",
+            "sync/logp_mismatch_mean",
+            "time/step",
+        ]
+        for key in keys:
+            pts = self.series(key)
+            if pts:
+                vals = [v for _, v in pts]
+                best = min(vals) if "loss" in key or "mismatch" in key or "time" in key else max(vals)
+                table.add_row(key, f"{vals[0]:.4f}", f"{vals[-1]:.4f}", f"{best:.4f}")
+        console = Console(record=True, width=100)
+        console.print(table)
+        text = console.export_text()
+        (self.run_dir / "summary.txt").write_text(text)
+        return text
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
