@@ -212,13 +212,16 @@ def start_ray(cfg: PPOConfig) -> tuple[ClusterResources, bool]:
     ), started
 
 
-def placement_groups(plan: Plan, *, timeout_s: float) -> dict[str, Any]:
-    """One placement group per group, PACKed (a group's ranks close together); waits until placed."""
+def placement_groups(plan: Plan, *, timeout_s: float, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One placement group per group (except ``skip``), PACKed (a group's ranks close together);
+    waits until every one is placed."""
     import ray
     from ray.util.placement_group import placement_group
 
     out = {}
     for g in plan.groups:
+        if g.name in skip:
+            continue
         pg = placement_group(
             [dict(g.bundle) for _ in range(g.processes)], strategy="PACK", name=f"rlhf-{g.name}"
         )

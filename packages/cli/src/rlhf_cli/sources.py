@@ -20,7 +20,7 @@ from rlhf_rollout import (
 from rlhf_cli import task
 from rlhf_cli.config import PPOConfig
 
-__all__ = ["executor_factory", "load_agent_file"]
+__all__ = ["ExecutorFactory", "executor_factory", "load_agent_file"]
 
 
 def load_agent_file(path: Path) -> Any:
@@ -57,15 +57,18 @@ def _reward_source(cfg: PPOConfig) -> Any:
     return None  # a reward model group scores the samples, or the environment rewards them
 
 
-def executor_factory(
-    cfg: PPOConfig, *, engine: Any, tokenizer: Any
-) -> Callable[[SamplingParams], AgentExecutorBase]:
-    """``params -> executor`` for the configured rollout (checked once, here, before anything starts)."""
+ExecutorFactory = Callable[[Any, SamplingParams], AgentExecutorBase]
+"""``(engine, params) -> executor``."""
+
+
+def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
+    """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
+    before anything starts."""
     agent = load_agent_file(cfg.train.agent_func_path) if cfg.train.agent_func_path is not None else None
     if agent is not None and callable(getattr(agent, "make_env", None)):
         limit = cfg.vllm.max_model_len
 
-        def multi(params: SamplingParams) -> AgentExecutorBase:
+        def multi(engine: Any, params: SamplingParams) -> AgentExecutorBase:
             return MultiTurnExecutor(
                 engine=engine,
                 params=params,
@@ -82,7 +85,7 @@ def executor_factory(
         else _reward_source(cfg)
     )
 
-    def single(params: SamplingParams) -> AgentExecutorBase:
+    def single(engine: Any, params: SamplingParams) -> AgentExecutorBase:
         return SingleTurnExecutor(engine=engine, params=params, tokenizer=tokenizer, reward=reward)
 
     return single

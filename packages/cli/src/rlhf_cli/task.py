@@ -13,7 +13,15 @@ from typing import Any
 
 from rlhf_cli.data import PromptRecord
 
-__all__ = ["TASK_NAME", "answer", "build_demo_model", "records", "reward_func"]
+__all__ = [
+    "TASK_NAME",
+    "answer",
+    "build_demo_model",
+    "demo_num_params",
+    "records",
+    "reward_func",
+    "warmup_records",
+]
 
 TASK_NAME = "larger-digit"
 _DIGIT = re.compile(r"\d")
@@ -27,22 +35,18 @@ def answer(a: int, b: int) -> str:
     return str(max(a, b))
 
 
-def records(*, split: str, seed: int) -> list[PromptRecord]:
-    """Every ordered pair of distinct digits; ``eval`` holds a fixed quarter of them, ``train`` the rest
-    (so the evaluation measures the rule, not memorised pairs)."""
+def records(*, seed: int) -> list[PromptRecord]:
+    """Every ordered pair of distinct digits (90 prompts), in an order shuffled by ``seed``."""
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
-    random.Random(1234).shuffle(pairs)
-    held = set(pairs[: len(pairs) // 4])
-    chosen = [p for p in pairs if (p in held) == (split == "eval")]
-    random.Random(seed).shuffle(chosen)
-    return [PromptRecord(prompt=_prompt(a, b), label=answer(a, b)) for a, b in chosen]
+    random.Random(seed).shuffle(pairs)
+    return [PromptRecord(prompt=_prompt(a, b), label=answer(a, b)) for a, b in pairs]
 
 
 def warmup_records(*, seed: int) -> list[tuple[str, str]]:
     """(prompt, response) pairs for the format warm-up: a digit from the prompt, right or not."""
     rng = random.Random(seed)
     out = []
-    for r in records(split="train", seed=seed):
+    for r in records(seed=seed):
         a, b = (int(x) for x in str(r.prompt).split()[1:3])
         out.append((str(r.prompt), f" {rng.choice((a, b))}"))
     return out
@@ -57,12 +61,24 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any], **_: 
     return {"rewards": rewards, "scores": rewards}
 
 
+DEMO_MODEL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256}
+
+
 def build_demo_model(directory: Path) -> Path:
     """The tiny model of the demo (built offline; the same folder is reused when it exists)."""
     from rlhf_testkit import TinyModelSpec, build_tiny_model
 
     if (directory / "config.json").is_file():
         return directory
-    return build_tiny_model(
-        directory, TinyModelSpec(num_hidden_layers=2, hidden_size=128, intermediate_size=256)
-    )
+    return build_tiny_model(directory, TinyModelSpec(**DEMO_MODEL))
+
+
+def demo_num_params() -> int:
+    """Parameters of the demo model, computed from its shape without building it."""
+    from rlhf_testkit import TinyModelSpec
+
+    spec = TinyModelSpec(**DEMO_MODEL)
+    h, i, layers, v = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers, spec.vocab_size
+    kv = h // spec.num_attention_heads * spec.num_key_value_heads
+    attn = 2 * h * h + 2 * h * kv + h + 2 * kv  # q and o; k and v; q/k/v biases (qwen2)
+    return v * h + layers * (attn + 3 * h * i + 2 * h) + h

@@ -255,6 +255,11 @@ def build_config(cls: type[T], argv: Sequence[str] = (), *, config_file: Path | 
         msg = e["msg"].removeprefix("Value error, ")
         if not loc:
             raise ConfigError(msg) from None
+        head, sep, tail = msg.partition(": ")
+        if sep and f"{loc}.{head}" in {
+            f.path for f in iter_fields(cls)
+        }:  # a section's own check names its field
+            loc, msg = f"{loc}.{head}", tail
         origin = "--" + loc if loc in flag_paths or not data else f"{loc} (in {config_file})"
         got = e.get("input")
         got_s = f" (got {got!r})" if not isinstance(got, dict) and e["type"] != "value_error" else ""

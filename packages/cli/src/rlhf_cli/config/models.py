@@ -28,8 +28,8 @@ class GroupShape(Section):
 class ActorConfig(GroupShape):
     pretrain: str | None = None
     """Hugging Face folder of the policy; unset: the built-in demo (a tiny model built offline)."""
-    lr: float = Field(5e-3, gt=0)
-    """Actor learning rate (the built-in tiny model wants a large one; 1e-6 is typical for real LLMs)."""
+    lr: float = Field(2e-3, gt=0)
+    """Actor learning rate (the built-in tiny model wants a large one; around 1e-6 suits real LLMs)."""
     model: ModelOptions = Field(default_factory=ModelOptions)
     """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
     lora: LoraOptions | None = None

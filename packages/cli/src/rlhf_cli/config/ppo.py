@@ -101,9 +101,13 @@ class PPOConfig(Section):
                 f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
                 f"{per_rank} samples each of the actor's {ranks} ranks trains on per step"
             )
-        if self.uses_critic and self.critic.world_size > 0 and (
-            self.samples_per_step % self.critic.world_size
-            or (self.samples_per_step // self.critic.world_size) % self.train.micro_batch_size
+        if (
+            self.uses_critic
+            and self.critic.world_size > 0
+            and (
+                self.samples_per_step % self.critic.world_size
+                or (self.samples_per_step // self.critic.world_size) % self.train.micro_batch_size
+            )
         ):
             raise ValueError(
                 f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the samples "

@@ -12,7 +12,7 @@ __all__ = ["CkptConfig", "DataConfig", "EvalConfig", "LoggerConfig", "RayConfig"
 
 
 class TrainConfig(Section):
-    num_steps: int = Field(30, ge=1)
+    num_steps: int = Field(60, ge=1)
     """Training steps (one rollout batch and its updates each)."""
     micro_batch_size: int = Field(16, ge=1)
     """Samples per micro-batch on each data-parallel rank."""

@@ -42,16 +42,26 @@ class Components:
         """The groups whose state a checkpoint holds (the trained ones)."""
         return {k: g for k, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
 
-    def shutdown(self) -> None:
-        import ray
+    owns_engines: bool = True
+    placement_groups: dict[str, Any] | None = None
 
+    def shutdown(self) -> None:
+        """Leave the sync group, stop the groups (and the engines this run started), free the bundles."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            self.sync.close()
         for g in (self.actor, self.critic, self.ref, self.reward):
             if g is not None:
                 g.shutdown()
-        for e in self.engines.engines:
-            with contextlib.suppress(Exception):
-                ray.get(e.shutdown.remote(), timeout=60)
-            ray.kill(e, no_restart=True)
+        if self.owns_engines:
+            for e in self.engines.engines:
+                with contextlib.suppress(Exception):
+                    ray.get(e.shutdown.remote(), timeout=60)
+                ray.kill(e, no_restart=True)
+        for pg in (self.placement_groups or {}).values():
+            remove_placement_group(pg)
 
 
 def _strategy(cfg: PPOConfig, *, lr: float, world: int) -> StrategyOptions:
@@ -64,11 +74,16 @@ def _strategy(cfg: PPOConfig, *, lr: float, world: int) -> StrategyOptions:
     )
 
 
-def start_components(cfg: PPOConfig, plan: Plan, pgs: dict[str, Any], model_dir: Path) -> Components:
+def start_components(
+    cfg: PPOConfig,
+    plan: Plan,
+    pgs: dict[str, Any],
+    model_dir: Path,
+    tokenizer: Any,
+    *,
+    engines: EngineClient | None = None,
+) -> Components:
     """Start every learner group (set-up runs in parallel), then the engines, then join the sync group."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     gpu = plan.device == "cuda"
     env = worker_env()
     path = str(model_dir)
@@ -137,22 +152,28 @@ def start_components(cfg: PPOConfig, plan: Plan, pgs: dict[str, Any], model_dir:
         engine_env.setdefault(
             "VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         )
-    handles = create_engines(
-        num_engines=cfg.vllm.num_engines,
-        backend=cfg.rollout.backend,
-        engine_kwargs=kwargs,
-        tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-        placement_group=pgs["engines"],
-        num_cpus_per_engine=eg.bundle.get("CPU", 0),
-        num_gpus_per_engine=eg.bundle.get("GPU", 0),
-        env_vars=engine_env,
-    )
-    for g in groups.values():
-        g.wait_setup()
-    engines = EngineClient(handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size)
-    sync = EngineWeightSync(
-        groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
-    )
+    owns = engines is None
+    try:
+        if engines is None:
+            handles = create_engines(
+                num_engines=cfg.vllm.num_engines,
+                backend=cfg.rollout.backend,
+                engine_kwargs=kwargs,
+                tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                placement_group=pgs["engines"],
+                num_cpus_per_engine=eg.bundle.get("CPU", 0),
+                num_gpus_per_engine=eg.bundle.get("GPU", 0),
+                env_vars=engine_env,
+            )
+            engines = EngineClient(handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size)
+        for g in groups.values():
+            g.wait_setup()
+        sync = EngineWeightSync(
+            groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
+        )
+    except BaseException:
+        _abandon(groups, engines if owns else None, pgs)
+        raise
     return Components(
         tokenizer=tokenizer,
         actor=groups["actor"],
@@ -161,15 +182,30 @@ def start_components(cfg: PPOConfig, plan: Plan, pgs: dict[str, Any], model_dir:
         reward=groups.get("reward"),
         engines=engines,
         sync=sync,
+        owns_engines=owns,
+        placement_groups=pgs,
     )
+
+
+def _abandon(groups: dict[str, LearnerGroup], engines: EngineClient | None, pgs: dict[str, Any]) -> None:
+    """Stop what a failed start-up had started."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for g in groups.values():
+        g.shutdown()
+    for e in engines.engines if engines is not None else []:
+        ray.kill(e, no_restart=True)
+    for pg in pgs.values():
+        remove_placement_group(pg)
 
 
 def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
     """Training prompts and evaluation prompts (None when there are none to evaluate on)."""
     limit = cfg.vllm.max_model_len
     if cfg.data.path is None:
-        train = task.records(split="train", seed=cfg.train.seed)
-        evals = task.records(split="eval", seed=cfg.train.seed) if cfg.eval.path is None else None
+        train = task.records(seed=cfg.train.seed)
+        evals = task.records(seed=cfg.train.seed + 1) if cfg.eval.path is None else None
         source = f"built-in task {task.TASK_NAME}"
     else:
         train = load_records(

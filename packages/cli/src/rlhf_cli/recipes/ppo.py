@@ -3,12 +3,15 @@ experience -> updates -> sync -> log -> checkpoint, each step) -> clean-up (expo
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_algos import AdaptiveKLController, FixedKLController
+from rlhf_rollout import EngineClient
+from transformers import AutoTokenizer
 
 from rlhf_cli import task
 from rlhf_cli.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -55,26 +58,28 @@ def plan(cfg: PPOConfig, *, connect: bool = False) -> Plan:
         check_model_dir(model)
         n = count_params(model)
     else:
-        from rlhf_testkit import TinyModelSpec
-
-        n = TinyModelSpec().approx_num_params if hasattr(TinyModelSpec, "approx_num_params") else 430_000
+        n = task.demo_num_params()
     return make_plan(cfg, resources, num_params=n)
 
 
-def run(cfg: PPOConfig) -> PPOResult:
+def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
+    """Train. ``engines``: running rollout engines to use instead of starting ``--vllm.num_engines``
+    new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     run_dir = Path(cfg.logger.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     model_dir = resolve_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    train_set, eval_set = load_prompts(cfg, tokenizer)
+    executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
     resources, started_ray = start_ray(cfg)
-    layout = make_plan(cfg, resources, num_params=count_params(model_dir))
-    c: Components = start_components(
-        cfg, layout, placement_groups(layout, timeout_s=cfg.ray.timeout_s), model_dir
-    )
+    c: Components | None = None
     try:
-        train_set, eval_set = load_prompts(cfg, c.tokenizer)
-        make_executor = executor_factory(cfg, engine=c.engines, tokenizer=c.tokenizer)
+        layout = make_plan(cfg, resources, num_params=count_params(model_dir))
+        pgs = placement_groups(layout, timeout_s=cfg.ray.timeout_s, skip=("engines",) if engines else ())
+        c = start_components(cfg, layout, pgs, model_dir, tokenizer, engines=engines)
+        make_executor = functools.partial(executors, c.engines)
         ckpt_root = run_dir / "checkpoints"
         state = RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef)
         found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
@@ -88,7 +93,7 @@ def run(cfg: PPOConfig) -> PPOResult:
             if cfg.algo.kl.target is not None
             else FixedKLController(value=state.kl_coef)
         )
-        c.sync.push(version=state.weight_version + 1)
+        c.sync.push(version=state.weight_version or 1)  # a resumed run re-sends the version it had
         rollout = RolloutStage(cfg, make_executor=make_executor, prompts=train_set, reward_model=c.reward)
         tracker = Tracker(
             run_dir,
@@ -139,7 +144,8 @@ def run(cfg: PPOConfig) -> PPOResult:
         summary = tracker.close()
         return PPOResult(run_dir=run_dir, final_model=final, history=tracker.history, summary=summary)
     finally:
-        c.shutdown()
+        if c is not None:
+            c.shutdown()
         if started_ray:
             import ray
 

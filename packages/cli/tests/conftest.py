@@ -1,0 +1,71 @@
+"""Shared fixtures for the recipe tests: one local Ray cluster and one pair of vLLM-CPU engines for the
+whole module's runs (each run syncs its own actor's weights into them first)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory):
+    """The built-in demo's tiny model, built once."""
+    from rlhf_cli import task
+
+    return task.build_demo_model(tmp_path_factory.mktemp("demo_model"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray on 127.0.0.1 for the session (runs given no --ray.address use it as it is)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_engines(ray_cluster, demo_model_dir):
+    """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension."""
+    from rlhf_cli.recipes._setup import WORKER_EXTENSION
+    from rlhf_rollout import create_engines
+
+    handles = create_engines(
+        num_engines=2,
+        backend="vllm",
+        engine_kwargs=dict(
+            model=str(demo_model_dir),
+            dtype="float32",
+            max_model_len=256,
+            seed=0,
+            worker_extension_cls=WORKER_EXTENSION,
+        ),
+        num_cpus_per_engine=0.25,
+        env_vars={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    )
+    yield handles
+    for h in handles:
+        try:
+            ray_cluster.get(h.shutdown.remote(), timeout=60)
+        finally:
+            ray_cluster.kill(h, no_restart=True)
+
+
+@pytest.fixture()
+def one_engine(shared_engines):
+    from rlhf_rollout import EngineClient
+
+    return EngineClient(shared_engines[:1])
+
+
+@pytest.fixture()
+def two_engines(shared_engines):
+    from rlhf_rollout import EngineClient
+
+    return EngineClient(shared_engines)

@@ -1,0 +1,206 @@
+"""The configuration tree: flags, YAML, --help, --print-config and the errors, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from rlhf_cli.config import ConfigError, PPOConfig, build_config, dump_yaml
+from rlhf_cli.main import app
+from typer.testing import CliRunner
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(app, ["ppo", *args])
+
+
+def error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output  # one clear line, no traceback
+    return lines[0]
+
+
+def test_dotted_flags_fill_the_tree_with_types():
+    cfg = build_config(
+        PPOConfig,
+        [
+            "--actor.lr",
+            "1e-6",
+            "--algo.kl.coef=0.01",
+            "--train.packing",
+            "false",
+            "--actor.lora.rank",
+            "4",
+            "--reward.remote_url",
+            "http://127.0.0.1:1/a,http://127.0.0.1:1/b",
+            "--algo.advantage.estimator",
+            "gae",
+        ],
+    )
+    assert cfg.actor.lr == 1e-6 and cfg.algo.kl.coef == 0.01 and cfg.train.packing is False
+    assert cfg.actor.lora is not None and cfg.actor.lora.rank == 4 and cfg.actor.lora.alpha == 16.0
+    assert cfg.reward.remote_url == ["http://127.0.0.1:1/a", "http://127.0.0.1:1/b"]
+    assert cfg.uses_critic and cfg.uses_reference
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--actor.lrr", "3"], "unknown flag --actor.lrr; did you mean --actor.lr?"),
+        (["--algo.kl.cof", "0.1"], "did you mean --algo.kl.coef?"),
+        (["--train.num_steps", "abc"], "--train.num_steps: Input should be a valid integer"),
+        (["--rollout.backend", "sglang"], "--rollout.backend: Input should be 'vllm' or 'transformers'"),
+        (["--ds.zero_stage", "5"], "--ds.zero_stage: expected 0, 1, 2 or 3, got 5"),
+        (["--ds.lr", "0.1"], "--ds.lr: set it with --actor.lr / --critic.lr"),
+        (["--algo.advantage.estimator", "gae", "--critic.enable", "false"], "gae needs a critic"),
+        (["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "1"], ">= 2, got 1"),
+        (["--algo.advantage.estimator", "dr_grpo", "--rollout.n_samples_per_prompt", "1"], ">= 2, got 1"),
+        (["--algo.kl.coef", "0.1", "--algo.kl.use_loss", "--algo.kl.in_reward", "true"], "cannot both be on"),
+        (["--train.micro_batch_size", "5"], "--train.micro_batch_size 5 does not divide"),
+        (
+            [
+                "--rollout.batch_size",
+                "3",
+                "--rollout.n_samples_per_prompt",
+                "3",
+                "--actor.num_devices_per_node",
+                "2",
+            ],
+            "cannot be split evenly",
+        ),
+        (["--actor.pretrain", "/nonexistent/model"], "no reward"),
+    ],
+)
+def test_bad_flags_fail_with_one_line_naming_them(args, expected):
+    line = error_line(run_cli(*args))
+    assert expected in line, line
+
+
+def test_unknown_yaml_key_names_the_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("actor:\n  lr: 0.1\nalgo:\n  advantage:\n    estimater: rloo\n")
+    line = error_line(run_cli("--config", str(f)))
+    assert str(f) in line and "algo.advantage.estimater" in line and "algo.advantage.estimator" in line
+
+
+def test_print_config_round_trips_and_flags_override_the_file(tmp_path):
+    first = run_cli("--algo.advantage.estimator", "rloo", "--actor.lr", "0.002", "--print-config")
+    assert first.exit_code == 0, first.output
+    f = tmp_path / "run.yaml"
+    f.write_text(first.output)
+    again = run_cli("--config", str(f), "--print-config")
+    assert again.exit_code == 0 and again.output == first.output
+    override = build_config(PPOConfig, ["--actor.lr", "0.5"], config_file=f)
+    assert override.actor.lr == 0.5 and override.algo.advantage.estimator == "rloo"
+    assert yaml.safe_load(dump_yaml(override))["actor"]["lr"] == 0.5
+
+
+def test_help_is_grouped_with_type_default_and_description():
+    result = run_cli("--help")
+    assert result.exit_code == 0
+    out = result.output
+    for ns in (
+        "--actor.*",
+        "--critic.*",
+        "--rollout.*",
+        "--vllm.*",
+        "--algo.*",
+        "--ds.*",
+        "--train.*",
+        "--ray.*",
+    ):
+        assert ns in out
+    line = next(line for line in out.splitlines() if "--rollout.n_samples_per_prompt" in line)
+    assert "int" in line and "8" in line and "Samples per prompt" in line
+    assert "--ds.zero_stage" in out and "--ds.lr " not in out  # lr is set per group
+
+
+def test_dry_run_prints_the_plan_without_starting_anything():
+    result = run_cli(
+        "--dry-run",
+        "--algo.advantage.estimator",
+        "gae",
+        "--algo.kl.coef",
+        "0.01",
+        "--vllm.num_engines",
+        "2",
+        "--ray.num_cpus",
+        "2",
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for group in ("actor", "critic", "ref", "engines"):
+        assert f"\n{group} " in out
+    assert "over shm" in out and "GiB" in out
+
+
+def test_more_engines_than_the_cluster_can_place_is_an_error():
+    line = error_line(run_cli("--dry-run", "--vllm.num_engines", "9", "--ray.num_cpus", "2"))
+    assert "--vllm.num_engines 9" in line and "the cluster has 2" in line
+
+
+def test_model_folder_errors_name_the_folder(tmp_path):
+    line = error_line(
+        run_cli("--actor.pretrain", str(tmp_path / "nope"), "--reward.func", "x.py", "--dry-run")
+    )
+    assert "does not exist" in line and "nope" in line
+    (tmp_path / "empty").mkdir()
+    line = error_line(
+        run_cli("--actor.pretrain", str(tmp_path / "empty"), "--reward.func", "x.py", "--dry-run")
+    )
+    assert "no config.json" in line
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ConfigError):
+        build_config(PPOConfig, ["positional"])
+
+
+def test_data_and_reward_file_errors_name_the_file_and_line(tmp_path, demo_model_dir):
+    """Each fails before Ray or any engine starts, in one line naming the file (and line)."""
+    func = tmp_path / "reward.py"
+    func.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    model = ["--actor.pretrain", str(demo_model_dir), "--reward.func", str(func)]
+
+    line = error_line(run_cli(*model, "--data.path", str(tmp_path / "missing.jsonl")))
+    assert "--data.path" in line and "missing.jsonl" in line and "does not exist" in line
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "a", "label": 1}\n{"input": "b", "label": \n')
+    line = error_line(run_cli(*model, "--data.path", str(bad)))
+    assert f"{bad}, line 2: not JSON" in line
+
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"input": "a", "label": 1}\n\n{"question": "b", "label": 2}\n')
+    line = error_line(run_cli(*model, "--data.path", str(nokey)))
+    assert f"{nokey}, line 3: no 'input' key (--data.input_key)" in line
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"input": "a", "label": 1}\n')
+    nofunc = tmp_path / "nofunc.py"
+    nofunc.write_text("def score(x):\n    return 1\n")
+    line = error_line(
+        run_cli(
+            "--actor.pretrain", str(demo_model_dir), "--data.path", str(good), "--reward.func", str(nofunc)
+        )
+    )
+    assert "--reward.func" in line and "nofunc.py" in line and "no 'reward_func'" in line
+
+    notmodel = tmp_path / "notmodel"
+    notmodel.mkdir()
+    (notmodel / "config.json").write_text('{"architectures": ["BertModel"]}')
+    line = error_line(
+        run_cli("--actor.pretrain", str(notmodel), "--data.path", str(good), "--reward.func", str(func))
+    )
+    assert "is not a causal LM" in line
+
+
+def test_a_datasets_folder_is_read_like_jsonl(tmp_path):
+    import datasets
+    from rlhf_cli.data import load_records
+
+    datasets.Dataset.from_dict({"q": ["one", "two"], "a": [1, 2]}).save_to_disk(str(tmp_path / "ds"))
+    recs = load_records(tmp_path / "ds", input_key="q", label_key="a")
+    assert [(r.prompt, r.label) for r in recs] == [("one", 1), ("two", 2)]
+    with pytest.raises(ValueError, match="row 0: no 'input' key"):
+        load_records(tmp_path / "ds", input_key="input", label_key="a")
