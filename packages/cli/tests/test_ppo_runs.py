@@ -63,21 +63,27 @@ def check_run(result, *, steps: int = 2) -> list[dict]:
     return rows
 
 
-def test_gae_trains_its_critic_with_the_builtin_task(tmp_path, one_engine):
+def test_gae_trains_its_critic(tmp_path, one_engine, demo_model_dir):
+    """A reward of 1 for every sample: returns are 1, so the value loss falls as the critic learns it."""
+    func = tmp_path / "one.py"
+    func.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
     result = ppo(
-        tmp_path,
+        tmp_path / "run",
         one_engine,
         "--algo.advantage.estimator",
         "gae",
         "--train.num_steps",
         "3",
-        "--train.warmup_sft_steps",
-        "3",
+        "--actor.pretrain",
+        str(demo_model_dir),
+        "--reward.func",
+        str(func),
         "--critic.lr",
-        "5e-3",
+        "2e-3",
     )
     rows = check_run(result, steps=3)
-    assert rows[-1]["critic/value_loss"] < rows[0]["critic/value_loss"]
+    losses = [r["critic/value_loss"] for r in rows]
+    assert losses[2] < losses[0] and min(losses[1:]) < losses[0] / 2, losses
     assert (result.run_dir / "tensorboard").is_dir()
 
 

@@ -64,14 +64,20 @@ class Components:
             remove_placement_group(pg)
 
 
-def _strategy(cfg: PPOConfig, *, lr: float, world: int) -> StrategyOptions:
-    return replace(
+def _strategy(cfg: PPOConfig, *, lr: float, world: int, frozen: bool = False) -> StrategyOptions:
+    """A group's DeepSpeed options: ``--ds`` plus what the group sets. A frozen model (reference,
+    reward) has no optimizer or gradients to shard, so ZeRO-1/2 mean plain replicas (stage 0) for it;
+    ZeRO-3 still shards its parameters."""
+    options = replace(
         cfg.ds,
         lr=lr,
         micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum_steps=cfg.samples_per_step // world // cfg.train.micro_batch_size,
+        grad_accum_steps=max(1, cfg.samples_per_step // world // cfg.train.micro_batch_size),
         seed=cfg.train.seed,
     )
+    if frozen and options.zero_stage in (1, 2):
+        options = replace(options, zero_stage=0, offload_optimizer=False)
+    return options
 
 
 def start_components(
@@ -111,7 +117,7 @@ def start_components(
             role="ref",
             model_path=cfg.ref.pretrain or path,
             world_size=cfg.ref.world_size,
-            strategy=_strategy(cfg, lr=cfg.actor.lr, world=cfg.ref.world_size),
+            strategy=_strategy(cfg, lr=cfg.actor.lr, world=cfg.ref.world_size, frozen=True),
             model=cfg.actor.model,
             temperature=cfg.rollout.temperature,
         )
@@ -120,7 +126,7 @@ def start_components(
             role="reward",
             model_path=str(cfg.reward.pretrain),
             world_size=cfg.reward.world_size,
-            strategy=_strategy(cfg, lr=cfg.actor.lr, world=cfg.reward.world_size),
+            strategy=_strategy(cfg, lr=cfg.actor.lr, world=cfg.reward.world_size, frozen=True),
             model=cfg.actor.model,
         )
     groups: dict[str, LearnerGroup] = {}
