@@ -1,0 +1,143 @@
+"""``rlhf ppo`` as a user runs it, in a subprocess: README's first command (the built-in demo) and a run
+against a Ray cluster started with ``ray start`` (a head and a second node, on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_readme_first_command_learns_the_builtin_task(tmp_path):
+    """`rlhf ppo` with no flags: under 10 minutes, eval pass rate up by at least 20 points."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [str(BIN / "rlhf"), "ppo"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=900
+    )
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "ppo"
+    rows = metrics(run_dir)
+    passes = [r["eval/pass_rate"] for r in rows if "eval/pass_rate" in r]
+    print(f"demo: {wall:.0f} s, eval pass rate {passes}")
+    assert wall < 600
+    assert len(passes) >= 3 and passes[-1] - passes[0] >= 0.20, passes
+    assert all("eval/reward_mean" in r for r in rows if "eval/pass_rate" in r)
+    for name in ("reward_curve.png", "summary.txt", "config.yaml"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "final_model" / "model.safetensors").is_file()
+    assert "eval/pass_rate" in proc.stdout  # the summary table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `ray start` switches Ray's token authentication on; its clients (ray status, the rlhf driver) need the
+# same mode to read the token file Ray keeps.
+# A cluster of several nodes needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 (0 refuses a second node).
+CLUSTER_ENV = {**ENV, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+def _ray(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", *args],
+        env=CLUSTER_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ppo_joins_a_ray_cluster_started_with_ray_start(tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    head = _ray(
+        "--head",
+        f"--port={port}",
+        "--num-cpus=1",
+        "--include-dashboard=false",
+        f"--temp-dir={temp}",
+    )
+    worker = None
+    try:
+        status = [str(BIN / "ray"), "status", f"--address={address}"]
+        deadline = time.monotonic() + 120
+        while subprocess.run(status, env=CLUSTER_ENV, capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, "ray head did not come up"
+            time.sleep(1)
+        worker = _ray(f"--address={address}", "--num-cpus=1")
+        while (
+            subprocess.run(status, env=CLUSTER_ENV, capture_output=True, text=True).stdout.count("node_") < 2
+        ):
+            assert time.monotonic() < deadline, "the second ray node did not join"
+            time.sleep(1)
+        run_dir = tmp_path / "run"
+        proc = subprocess.run(
+            [
+                str(BIN / "rlhf"),
+                "ppo",
+                "--ray.address",
+                address,
+                "--train.num_steps",
+                "2",
+                "--train.warmup_sft_steps",
+                "2",
+                "--rollout.batch_size",
+                "4",
+                "--rollout.n_samples_per_prompt",
+                "4",
+                "--train.micro_batch_size",
+                "8",
+                "--eval.every",
+                "0",
+                "--logger.progress",
+                "false",
+                "--logger.run_dir",
+                str(run_dir),
+            ],
+            env=CLUSTER_ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = metrics(run_dir)
+        assert [r["step"] for r in rows] == [1, 2]
+        assert rows[-1]["sync/weight_version"] == 3 and rows[-1]["sync/logp_mismatch_max"] < 1e-3
+    finally:
+        for p in (worker, head):
+            if p is not None:
+                _stop(p)
+        shutil.rmtree(temp, ignore_errors=True)
