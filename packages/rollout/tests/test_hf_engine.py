@@ -77,8 +77,11 @@ def test_capabilities_are_honest(hf_engine):
     assert caps.backend == "transformers" and caps.load_weights and not caps.sleep
     with pytest.raises(UnsupportedOperationError, match="no sleep mode"):
         hf_engine.sleep()
-    with pytest.raises(UnsupportedOperationError, match="load_weights"):
-        hf_engine.init_weight_sync(transport="gloo")
+    assert not caps.weight_sync_extension
+    with pytest.raises(UnsupportedOperationError, match="without worker_extension_cls"):
+        hf_engine.init_weight_sync(
+            transport="gloo", master_addr="127.0.0.1", master_port=1, rank_offset=1, world_size=2
+        )
     hf_engine.reset_prefix_cache()  # documented no-op
 
 

@@ -78,6 +78,7 @@ class TransformersEngine:
         max_batch_size: int = 256,
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        worker_extension_cls: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -108,6 +109,7 @@ class TransformersEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
+        self._worker = _extended_worker(worker_extension_cls, self.model, self.device)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -115,10 +117,11 @@ class TransformersEngine:
             backend="transformers",
             sleep=False,
             prefix_cache=False,
-            weight_sync_extension=False,
+            weight_sync_extension=self._worker is not None,
             load_weights=True,
             notes="no sleep mode (move the model yourself); no prefix cache (reset is a no-op); "
-            "weight updates through load_weights(named_tensors)",
+            "weight updates through load_weights(named_tensors)"
+            + ("" if self._worker is not None else "; weight sync needs worker_extension_cls"),
         )
 
     @property
@@ -204,14 +207,41 @@ class TransformersEngine:
                 state[name].copy_(tensor)
         return len(pairs)
 
-    def init_weight_sync(self, **_: Any) -> None:
-        raise UnsupportedOperationError(
-            "TransformersEngine has no worker extension: run a weightsync receiver in this process and "
-            "hand its tensors to load_weights(named_tensors)"
+    # --- weight sync: forwarded to the worker extension, as VLLMEngine does ----------------------------
+    def _extension(self, method: str) -> Any:
+        if self._worker is None:
+            raise UnsupportedOperationError(
+                f"{method}: this TransformersEngine was built without worker_extension_cls (e.g. "
+                "'rlhf_weightsync.module_ext.ModuleWeightSyncExtension'); or call load_weights(named_tensors)"
+            )
+        return getattr(self._worker, method)
+
+    def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Join the sync group as rank ``rank_offset`` (blocks until everyone joined)."""
+        self._extension("init_weight_sync")(
+            transport=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            timeout_s=timeout_s,
         )
 
-    receive_weights = init_weight_sync
-    close_weight_sync = init_weight_sync
+    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
+        """Receive one sync into the model; returns the (one) worker's report, as ``VLLMEngine`` does."""
+        return [self._extension("receive_weights")(timeout_s=timeout_s)]
+
+    def close_weight_sync(self) -> None:
+        self._extension("close_weight_sync")()
 
     def sleep(self, *, level: int = 1) -> None:
         raise UnsupportedOperationError("TransformersEngine has no sleep mode; move the model yourself")
@@ -224,3 +254,25 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+class _ModuleWorker:
+    """What a weight-sync worker extension sees of a TransformersEngine: its model and device."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+
+def _extended_worker(extension_cls: str | None, model: torch.nn.Module, device: torch.device) -> Any:
+    """A worker object with ``extension_cls`` (a dotted class path) mixed in, as vLLM does for its
+    workers; ``None`` without an extension."""
+    if extension_cls is None:
+        return None
+    import importlib
+
+    module_name, _, cls_name = extension_cls.rpartition(".")
+    try:
+        ext = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"worker_extension_cls: cannot import {extension_cls!r} ({err})") from None
+    return type("TransformersWorker", (ext, _ModuleWorker), {})(model, device)

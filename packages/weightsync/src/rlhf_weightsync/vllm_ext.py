@@ -93,7 +93,7 @@ class WeightSyncWorkerExtension:
             transport=transport,  # type: ignore[arg-type]
             master_addr=master_addr,
             master_port=master_port,
-            rank=rank_offset + _tensor_parallel_rank(),
+            rank=rank_offset + self._rlhf_sync_rank(),
             world_size=world_size,
             timeout_s=timeout_s,
             device=device,
@@ -108,6 +108,22 @@ class WeightSyncWorkerExtension:
         if receiver is None:
             raise RuntimeError("receive_weights: call init_weight_sync first")
 
+        stats = receiver.receive(self._rlhf_load_callback(), timeout_s=timeout_s, aliases=True)
+        return {
+            "version": stats.version,
+            "num_tensors": stats.num_tensors,
+            "num_bytes": stats.num_bytes,
+            "seconds": stats.seconds,
+        }
+
+    # Hooks a subclass for another kind of worker overrides (private names: vLLM refuses extension
+    # attributes that clash with its worker's).
+    def _rlhf_sync_rank(self) -> int:
+        """This worker's offset in the engine's part of the sync group: its tensor-parallel rank."""
+        return _tensor_parallel_rank()
+
+    def _rlhf_load_callback(self):
+        """The load callback for ``WeightReceiver.receive``: vLLM's ``reload_weights``."""
         reload = getattr(self, "reload_weights", None)
 
         def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -127,13 +143,7 @@ class WeightSyncWorkerExtension:
                 is_checkpoint_format=True,
             )
 
-        stats = receiver.receive(load, timeout_s=timeout_s, aliases=True)
-        return {
-            "version": stats.version,
-            "num_tensors": stats.num_tensors,
-            "num_bytes": stats.num_bytes,
-            "seconds": stats.seconds,
-        }
+        return load
 
     def close_weight_sync(self) -> None:
         """Leave the sync group (no-op if not joined)."""
