@@ -68,7 +68,7 @@ def test_dotted_flags_fill_the_tree_with_types():
             ],
             "cannot be split evenly",
         ),
-        (["--actor.pretrain", "/nonexistent/model"], "no reward"),
+        (["--data.path", "p.jsonl", "--actor.pretrain", "m"], "--data.path needs a reward"),
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_them(args, expected):

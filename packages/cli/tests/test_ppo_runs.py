@@ -280,3 +280,23 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
         "rollout/weight_version",
     ):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_path, ray_cluster):
+    """The transformers engine (its own, started by the run) receives weights through its extension."""
+    result = ppo(
+        tmp_path,
+        None,
+        "--rollout.backend=transformers",
+        "--train.warmup_sft_steps=5",
+        "--algo.dynamic_filtering.enable",
+        "--algo.dynamic_filtering.max_rounds=2",
+        "--algo.overlong.buffer_length=2",
+        "--algo.stop_penalty=-0.5",
+        "--algo.is_correction.mode=tis",
+        "--algo.clip.eps_high=0.28",
+        "--algo.clip.dual_clip=3",
+        "--algo.entropy_coef=0.01",
+    )
+    rows = check_run(result)
+    assert rows[0]["filter/rounds"] >= 1 and "actor/entropy" in rows[0]

@@ -55,8 +55,8 @@ class PPOConfig(Section):
 
     @property
     def builtin_task(self) -> bool:
-        """No model and no data given: the built-in demo task with its own reward."""
-        return self.actor.pretrain is None and self.data.path is None
+        """No data and no reward given: the built-in task's prompts and reward (with the warm-up)."""
+        return self.data.path is None and self.reward.source is None and self.train.agent_func_path is None
 
     @property
     def samples_per_step(self) -> int:
@@ -128,15 +128,13 @@ class PPOConfig(Section):
             )
         if self.actor.pretrain is None and self.data.path is not None:
             raise ValueError("--data.path is set but --actor.pretrain is not: give the model to train")
-        if not self.builtin_task and self.reward.source is None and self.train.agent_func_path is None:
+        if self.data.path is not None and self.reward.source is None and self.train.agent_func_path is None:
             raise ValueError(
-                "no reward: give --reward.func, --reward.pretrain, --reward.remote_url or --train.agent_func_path"
+                "--data.path needs a reward: give --reward.func, --reward.pretrain, --reward.remote_url "
+                "or --train.agent_func_path"
             )
         if self.actor.lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
-        if self.rollout.backend != "vllm":
-            raise ValueError(
-                "--rollout.backend transformers: rlhf ppo syncs weights through the vLLM worker extension; "
-                "only vllm is supported for now"
-            )
+        if self.vllm.tensor_parallel_size > 1 and self.rollout.backend != "vllm":
+            raise ValueError("--vllm.tensor_parallel_size > 1 needs --rollout.backend vllm")
         return self

@@ -29,7 +29,7 @@ class TrainConfig(Section):
     max_turns: int = Field(4, ge=1)
     """Turns per multi-turn episode at most."""
     warmup_sft_steps: int = Field(40, ge=0)
-    """Built-in demo only: supervised steps on the task's answers before RL (0: none)."""
+    """Built-in task only: supervised steps on the answer format before RL (0: none)."""
 
 
 class DataConfig(Section):

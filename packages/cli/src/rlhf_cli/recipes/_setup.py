@@ -25,7 +25,11 @@ from rlhf_cli.weights import EngineWeightSync
 
 __all__ = ["Components", "evaluate", "load_prompts", "start_components", "warmup"]
 
-WORKER_EXTENSION = "rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension"
+WORKER_EXTENSION = {
+    "vllm": "rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension",
+    "transformers": "rlhf_weightsync.module_ext.ModuleWeightSyncExtension",
+}
+"""The weight-sync worker extension each rollout backend mixes into its workers."""
 
 
 @dataclass(kw_only=True)
@@ -78,6 +82,26 @@ def _strategy(cfg: PPOConfig, *, lr: float, world: int, frozen: bool = False) ->
     if frozen and options.zero_stage in (1, 2):
         options = replace(options, zero_stage=0, offload_optimizer=False)
     return options
+
+
+def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
+    """Constructor arguments of one rollout engine of the configured backend."""
+    common = dict(
+        model=path,
+        max_model_len=cfg.vllm.max_model_len,
+        worker_extension_cls=WORKER_EXTENSION[cfg.rollout.backend],
+    )
+    if cfg.rollout.backend == "transformers":
+        return {**common, "dtype": "float32", "device": "cuda" if gpu else "cpu"}
+    out = {
+        **common,
+        "dtype": "auto" if gpu else "float32",
+        "seed": cfg.train.seed,
+        "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
+    }
+    if gpu:
+        out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
+    return out
 
 
 def start_components(
@@ -143,18 +167,9 @@ def start_components(
         )
         groups[name].start_setup()
     eg = plan.group("engines")
-    kwargs: dict[str, Any] = dict(
-        model=path,
-        dtype="float32" if not gpu else "auto",
-        max_model_len=cfg.vllm.max_model_len,
-        seed=cfg.train.seed,
-        worker_extension_cls=WORKER_EXTENSION,
-        enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-    )
-    engine_env = {**env, "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm.kv_cache_gib)}
-    if gpu:
-        kwargs["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
-    else:
+    kwargs, engine_env = _engine_kwargs(cfg, path, gpu=gpu), dict(env)
+    if cfg.rollout.backend == "vllm":
+        engine_env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_gib)
         engine_env.setdefault(
             "VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         )

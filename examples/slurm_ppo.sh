@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# rlhf ppo on a SLURM allocation: Ray head on the first node, Ray workers on the others, then the run.
+#
+#   sbatch examples/slurm_ppo.sh
+#
+# Adjust the #SBATCH lines, the model and the flags; run_dir must be on a shared file system.
+#SBATCH --job-name=rlhf-ppo
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=24:00:00
+set -euo pipefail
+
+nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+head=${nodes[0]}
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
+port=6379
+
+srun --nodes=1 --ntasks=1 -w "$head" \
+    ray start --head --node-ip-address="$head_ip" --port=$port \
+    --num-cpus="$SLURM_CPUS_PER_TASK" --num-gpus="$SLURM_GPUS_PER_NODE" --block &
+sleep 20
+for node in "${nodes[@]:1}"; do
+    srun --nodes=1 --ntasks=1 -w "$node" \
+        ray start --address="$head_ip:$port" \
+        --num-cpus="$SLURM_CPUS_PER_TASK" --num-gpus="$SLURM_GPUS_PER_NODE" --block &
+done
+sleep 20
+
+rlhf ppo --ray.address "$head_ip:$port" \
+    --actor.pretrain /shared/models/my-sft-model \
+    --actor.num_nodes 1 --actor.num_devices_per_node 4 --actor.lr 1e-6 \
+    --ref.num_devices_per_node 2 \
+    --vllm.num_engines 4 --vllm.tensor_parallel_size 2 \
+    --reward.func /shared/rewards/math_reward.py \
+    --data.path /shared/data/prompts.jsonl --data.apply_chat_template \
+    --algo.advantage.estimator group_norm --algo.kl.coef 0.001 --algo.kl.use_loss \
+    --rollout.batch_size 128 --rollout.n_samples_per_prompt 8 --rollout.max_new_tokens 1024 \
+    --vllm.max_model_len 2048 --train.micro_batch_size 4 --train.num_steps 500 \
+    --ds.zero_stage 3 --ds.precision bf16 \
+    --ckpt.save_steps 50 --logger.run_dir /shared/runs/ppo-math
