@@ -110,6 +110,7 @@ def test_ppo_joins_a_ray_cluster_started_with_ray_start(tmp_path):
                 "ppo",
                 "--ray.address",
                 address,
+                "--rollout.backend=transformers",
                 "--train.num_steps",
                 "2",
                 "--train.warmup_sft_steps",
