@@ -97,6 +97,7 @@ def create_engines(
     num_cpus_per_engine: float = 1.0,
     num_gpus_per_engine: float = 0.0,
     env_vars: dict[str, str] | None = None,
+    start_timeout_s: float = 1800.0,
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s; returns their handles (ready when this returns).
 
@@ -108,6 +109,7 @@ def create_engines(
 
     ``env_vars`` go into every actor's ``runtime_env`` (Ray sets ``OMP_NUM_THREADS=1`` in actors; pass
     e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here).
+    ``start_timeout_s`` bounds the wait for every engine to come up.
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -155,7 +157,7 @@ def create_engines(
         if env:
             options["runtime_env"] = {"env_vars": env}
         handles.append(actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs))
-    ray.get([h.max_model_len.remote() for h in handles])  # surfaces construction errors here
+    ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
     return handles
 
 
@@ -168,11 +170,17 @@ class EngineClient:
     (``seed + i * n + j``) do not depend on how the batch was split.
     """
 
-    def __init__(self, engines: Sequence[Any], *, tensor_parallel_size: int = 1) -> None:
+    def __init__(
+        self, engines: Sequence[Any], *, tensor_parallel_size: int = 1, timeout_s: float = 1800.0
+    ) -> None:
         if not engines:
             raise ValueError("EngineClient needs at least one engine actor")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.engines = list(engines)
         self.tensor_parallel_size = tensor_parallel_size
+        self.timeout_s = timeout_s
+        """Bound on every wait for the engines (a generation call, a reset, leaving a sync group)."""
         self._max_model_len: int | None = None
 
     @property
@@ -180,13 +188,15 @@ class EngineClient:
         if self._max_model_len is None:
             import ray
 
-            self._max_model_len = min(ray.get([e.max_model_len.remote() for e in self.engines]))
+            self._max_model_len = min(
+                ray.get([e.max_model_len.remote() for e in self.engines], timeout=self.timeout_s)
+            )
         return self._max_model_len
 
     def capabilities(self) -> list[EngineCapabilities]:
         import ray
 
-        return ray.get([e.capabilities.remote() for e in self.engines])
+        return ray.get([e.capabilities.remote() for e in self.engines], timeout=self.timeout_s)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[tuple[int, Any]]:
         """Start generation; returns ``(first prompt index, object ref)`` per non-empty shard."""
@@ -210,19 +220,21 @@ class EngineClient:
 
         out: list[list[Generation]] = []
         for _, ref in self.submit(prompts, params):
-            out.extend(ray.get(ref))
+            out.extend(ray.get(ref, timeout=self.timeout_s))
         return out
 
     async def agenerate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Generation]]:
-        shards = await asyncio.gather(*(ref for _, ref in self.submit(prompts, params)))
+        shards = await asyncio.wait_for(
+            asyncio.gather(*(ref for _, ref in self.submit(prompts, params))), timeout=self.timeout_s
+        )
         return [g for shard in shards for g in shard]
 
     def reset_prefix_cache(self) -> None:
         import ray
 
-        ray.get([e.reset_prefix_cache.remote() for e in self.engines])
+        ray.get([e.reset_prefix_cache.remote() for e in self.engines], timeout=self.timeout_s)
 
     # --- weight sync: non-blocking, because the sender must join while the engines wait -------------
     def init_weight_sync(
@@ -250,4 +262,4 @@ class EngineClient:
     def close_weight_sync(self) -> None:
         import ray
 
-        ray.get([e.close_weight_sync.remote() for e in self.engines])
+        ray.get([e.close_weight_sync.remote() for e in self.engines], timeout=self.timeout_s)

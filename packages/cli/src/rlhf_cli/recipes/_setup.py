@@ -185,8 +185,11 @@ def start_components(
                 num_cpus_per_engine=eg.bundle.get("CPU", 0),
                 num_gpus_per_engine=eg.bundle.get("GPU", 0),
                 env_vars=engine_env,
+                start_timeout_s=cfg.ray.timeout_s,
             )
-            engines = EngineClient(handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size)
+            engines = EngineClient(
+                handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size, timeout_s=cfg.ray.timeout_s
+            )
         for g in groups.values():
             g.wait_setup()
         sync = EngineWeightSync(
