@@ -69,6 +69,11 @@ def test_dotted_flags_fill_the_tree_with_types():
             "cannot be split evenly",
         ),
         (["--data.path", "p.jsonl", "--actor.pretrain", "m"], "--data.path needs a reward"),
+        (["--algo.kl.target", "0.1"], "--algo.kl.target needs an initial --algo.kl.coef > 0"),
+        (["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "false"], "applies the KL nowhere"),
+        (["--algo.kl.coef", "0.1"], "the reference would be the untrained model"),
+        (["--rollout.top_p", "0.9", "--algo.is_correction.mode", "tis"], "no importance weight"),
+        (["--train.agent_func_path", "a.py", "--reward.func", "r.py"], "the agent file is the reward source"),
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_them(args, expected):
@@ -120,6 +125,8 @@ def test_dry_run_prints_the_plan_without_starting_anything():
         "--dry-run",
         "--algo.advantage.estimator",
         "gae",
+        "--train.warmup_sft_steps",
+        "0",
         "--algo.kl.coef",
         "0.01",
         "--vllm.num_engines",
@@ -204,3 +211,26 @@ def test_a_datasets_folder_is_read_like_jsonl(tmp_path):
     assert [(r.prompt, r.label) for r in recs] == [("one", 1), ("two", 2)]
     with pytest.raises(ValueError, match="row 0: no 'input' key"):
         load_records(tmp_path / "ds", input_key="input", label_key="a")
+
+
+def test_resuming_with_other_settings_is_refused_before_start_up(tmp_path):
+    import json
+
+    first = build_config(PPOConfig, ["--train.seed", "1", "--logger.run_dir", str(tmp_path)])
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps(first.model_dump(mode="json")))
+    (ckpt / "run_state.json").write_text(json.dumps({"step": 2, "weight_version": 3, "cursor": {}}))
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002")
+    line = error_line(
+        run_cli(
+            "--train.seed",
+            "2",
+            "--logger.run_dir",
+            str(tmp_path),
+            "--ckpt.load_enable",
+            "--train.num_steps",
+            "9",
+        )
+    )
+    assert "train.seed=1" in line and "--train.seed 2" in line and "step_000002" in line

@@ -198,26 +198,20 @@ def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_mo
     assert rows[0]["rollout/score_mean"] > 0  # response lengths, as the server computed them
 
 
-def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_engines):
+def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_engines, demo_model_dir):
     result = ppo(
         tmp_path,
         two_engines,
-        "--algo.advantage.estimator",
-        "group_norm",
-        "--ds.zero_stage",
-        "3",
-        "--actor.num_devices_per_node",
-        "2",
-        "--ref.num_devices_per_node",
-        "2",
-        "--algo.kl.coef",
-        "0.1",
+        "--actor.pretrain", str(demo_model_dir),  # the built-in task's prompts and reward, no warm-up
+        "--algo.advantage.estimator=group_norm",
+        "--ds.zero_stage=3",
+        "--actor.num_devices_per_node=2",
+        "--ref.num_devices_per_node=2",
+        "--vllm.num_engines=2",
+        "--algo.kl.coef=0.1",
         "--algo.kl.use_loss",
-        "--algo.kl.estimator",
-        "k3+",
-        "--train.warmup_sft_steps",
-        "3",
-    )
+        "--algo.kl.estimator=k3+",
+    )  # fmt: skip
     rows = check_run(result)
     assert "actor/kl" in rows[1]
 

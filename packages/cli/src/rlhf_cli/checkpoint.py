@@ -16,7 +16,7 @@ from pathlib import Path
 from rlhf_cli.data import PromptCursor
 from rlhf_cli.groups import LearnerGroup
 
-__all__ = ["RunState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["RunState", "check_resumable", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 STATE_FILE = "run_state.json"
 
@@ -33,13 +33,44 @@ class RunState:
     kl_coef: float = 0.0
 
 
-def save_checkpoint(root: Path, state: RunState, groups: dict[str, LearnerGroup], *, max_keep: int) -> Path:
+RESUMABLE_CHANGES = ("train.num_steps", "ckpt.", "logger.", "ray.", "eval.", "weightsync.timeout_s")
+"""Settings a resumed run may change; every other one must equal the checkpoint's."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_compatible(saved: dict, current: dict, *, where: Path) -> None:
+    """Raise naming the first setting that differs from the checkpoint's (except resumable ones)."""
+    a, b = _flat(saved), _flat(current)
+    for key in sorted(set(a) | set(b)):
+        if key.startswith(RESUMABLE_CHANGES):
+            continue
+        if a.get(key) != b.get(key):
+            raise ValueError(
+                f"--ckpt.load_enable: {where} was written with {key}={a.get(key)!r}, this run has "
+                f"--{key} {b.get(key)!r}; resume with the same settings (only steps, checkpointing, logging, "
+                "evaluation and Ray options may change)"
+            )
+
+
+def save_checkpoint(
+    root: Path, state: RunState, groups: dict[str, LearnerGroup], *, max_keep: int, config: dict
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{state.step:06d}"
     tmp, final = root / f".tmp-{name}", root / name
     shutil.rmtree(tmp, ignore_errors=True)
     for role, group in groups.items():
         group.save(directory=str(tmp / role), tag="state")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
     if final.exists():
         shutil.rmtree(final)
@@ -54,12 +85,22 @@ def save_checkpoint(root: Path, state: RunState, groups: dict[str, LearnerGroup]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
+    """The newest complete checkpoint (``latest``'s, else the newest complete ``step_*``), or None."""
     pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / STATE_FILE).is_file():
+            return path
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    return complete[-1] if complete else None
+
+
+def check_resumable(path: Path, config: dict) -> None:
+    """Before start-up: the checkpoint at ``path`` was written by a run with the same settings."""
+    saved = path / "config.json"
+    if not saved.is_file():
+        raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by rlhf ppo?)")
+    check_compatible(json.loads(saved.read_text()), config, where=path)
 
 
 def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:

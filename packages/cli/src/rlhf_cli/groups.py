@@ -201,7 +201,9 @@ class LearnerWorker:
         from rlhf_weightsync import gather_along
 
         hf = unwrap_hf_model(self.engine.module)
-        if hasattr(hf, "peft_config"):
+        if hasattr(hf, "peft_config"):  # ZeRO 0-2 (checked): every rank holds the weights; rank 0 merges
+            if self.rank != 0:
+                return None
             from rlhf_learner.lora import merged_state_dict
 
             state, _ = merged_state_dict(hf, self.strategy.full_state_dict(hf))
@@ -292,12 +294,18 @@ class LearnerGroup:
     def forward(
         self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
     ) -> list[torch.Tensor]:
-        """Per-sequence results, each rank scoring its shard."""
+        """Per-sequence results, each rank scoring its shard. Shards are padded (with copies of a
+        sequence, results dropped) to the same length, so every rank makes the same number of forward
+        calls: ZeRO-3 gathers parameters collectively in each one."""
+        shards = self.shards(sequences)
+        longest = max(len(s) for s in shards)
+        padded = [s + [sequences[0]] * (longest - len(s)) for s in shards]
         refs = [
             w.forward.remote(sequences=shard, micro_batch_size=micro_batch_size, packing=packing)
-            for w, shard in zip(self.workers, self.shards(sequences), strict=True)
+            for w, shard in zip(self.workers, padded, strict=True)
         ]
-        return [x for part in self._get(refs) for x in part]
+        parts = self._get(refs)
+        return [x for part, shard in zip(parts, shards, strict=True) for x in part[: len(shard)]]
 
     # Update steps: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result.
     def train_policy(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -43,6 +44,13 @@ def _split_options(args: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
+def _from_a_ray_worker(err: BaseException) -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(err, ray.exceptions.RayError)
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -72,10 +80,13 @@ def ppo(ctx: typer.Context) -> None:
         from rlhf_cli.recipes import ppo as recipe
 
         if opts["dry_run"]:
-            typer.echo(recipe.plan(cfg, connect=bool(cfg.ray.address)).render())
+            connect = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+            typer.echo(recipe.plan(cfg, connect=connect).render())
             return
         result = recipe.run(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as err:
+        if _from_a_ray_worker(err):
+            raise  # a failure inside an actor: its traceback is the useful part
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
         return
     typer.echo(f"final model: {result.final_model}\ncurve: {result.run_dir / 'reward_curve.png'}")

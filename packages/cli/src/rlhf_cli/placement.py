@@ -164,7 +164,8 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
         )
     transport = cfg.weightsync.transport
     if transport == "auto":
-        transport = "nccl" if gpu else ("shm" if len(set(resources.node_ips)) <= 1 else "gloo")
+        one_host = len(set(resources.node_ips)) <= 1
+        transport = "nccl" if gpu and cfg.rollout.backend == "vllm" else ("shm" if one_host else "gloo")
     if transport in ("nccl", "cuda_ipc") and not gpu:
         raise ConfigError(f"--weightsync.transport {transport}: needs GPUs; the cluster has none")
     if transport == "shm" and len(set(resources.node_ips)) > 1:
@@ -226,6 +227,12 @@ def placement_groups(plan: Plan, *, timeout_s: float, skip: tuple[str, ...] = ()
             [dict(g.bundle) for _ in range(g.processes)], strategy="PACK", name=f"rlhf-{g.name}"
         )
         out[g.name] = pg
-    ready = ray.get([pg.ready() for pg in out.values()], timeout=timeout_s)
-    del ready
+    try:
+        ray.get([pg.ready() for pg in out.values()], timeout=timeout_s)
+    except BaseException:
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in out.values():
+            remove_placement_group(pg)
+        raise
     return out

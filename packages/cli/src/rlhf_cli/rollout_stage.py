@@ -115,23 +115,22 @@ class RolloutStage:
         return RolloutBatch(step=step, samples=samples, metrics=metrics)
 
     def _sample(self, t: Trajectory, group: int, version: int) -> Sample:
+        """The trajectory as a sample; its reward is the score, stop-penalised when truncated, plus the
+        overlong penalty on the policy's own tokens (environment tokens of a multi-turn episode excluded)."""
         cfg = self.cfg
-        reward = t.reward
-        length = torch.tensor([t.response_len])
+        reward = float(t.reward)
+        if cfg.algo.stop_penalty is not None:
+            truncated = torch.tensor([t.truncated])
+            reward = float(stop_penalty(torch.tensor([reward]), truncated, coef=cfg.algo.stop_penalty)[0])
         if cfg.algo.overlong.buffer_length:
+            generated = torch.tensor([sum(t.action_mask)])
             reward += float(
                 overlong_penalty(
-                    length,
+                    generated,
                     max_length=cfg.rollout.max_new_tokens,
                     buffer_length=cfg.algo.overlong.buffer_length,
                     penalty_factor=cfg.algo.overlong.penalty_factor,
                 )[0]
-            )
-        if cfg.algo.stop_penalty is not None:
-            reward = float(
-                stop_penalty(torch.tensor([reward]), torch.tensor([t.truncated]), coef=cfg.algo.stop_penalty)[
-                    0
-                ]
             )
         return Sample(
             token_ids=torch.tensor(t.token_ids, dtype=torch.long),

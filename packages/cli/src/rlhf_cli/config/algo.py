@@ -41,7 +41,7 @@ class KLConfig(Section):
     in_reward: bool | None = None
     """Apply the KL as a per-token reward penalty; unset: whenever use_loss is off."""
     target: float | None = Field(None, gt=0)
-    """Adaptive coefficient: the KL to steer towards (Ziegler et al.); unset: a fixed coefficient."""
+    """Adaptive coefficient: the per-token mean KL to steer towards (Ziegler et al. state theirs per sequence); unset: fixed."""
     horizon: int = Field(10000, ge=1)
     """Adaptive coefficient: its horizon in samples."""
 
@@ -50,6 +50,12 @@ class KLConfig(Section):
         if self.use_loss and self.in_reward:
             raise ValueError(
                 "kl: --algo.kl.use_loss and --algo.kl.in_reward cannot both be on (the KL would count twice)"
+            )
+        if self.target is not None and self.coef == 0:
+            raise ValueError("kl: --algo.kl.target needs an initial --algo.kl.coef > 0")
+        if self.coef > 0 and not self.use_loss and self.in_reward is False:
+            raise ValueError(
+                "kl: --algo.kl.coef > 0 with --algo.kl.in_reward false and no --algo.kl.use_loss applies the KL nowhere"
             )
         if self.target is not None and self.use_loss:
             raise ValueError(

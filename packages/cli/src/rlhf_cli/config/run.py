@@ -25,11 +25,11 @@ class TrainConfig(Section):
     dynamic_batch: bool = False
     """Token-balanced micro-batches (similar token counts) instead of equal sample counts."""
     agent_func_path: Path | None = None
-    """A .py file with an AgentEnv class (reset/step) for multi-turn rollouts (it is executed: trust it)."""
+    """A .py file defining make_env() (multi-turn reset/step environment) or reward_func (it is executed: trust it)."""
     max_turns: int = Field(4, ge=1)
     """Turns per multi-turn episode at most."""
     warmup_sft_steps: int = Field(40, ge=0)
-    """Built-in task only: supervised steps on the answer format before RL (0: none)."""
+    """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
 
 
 class DataConfig(Section):

@@ -154,18 +154,23 @@ def start_components(
             model=cfg.actor.model,
         )
     groups: dict[str, LearnerGroup] = {}
-    for name, spec in specs.items():
-        g = plan.group(name)
-        groups[name] = LearnerGroup(
-            spec,
-            placement_group=pgs[name],
-            bundle_offset=0,
-            num_cpus=g.bundle.get("CPU", 0),
-            num_gpus=g.bundle.get("GPU", 0),
-            timeout_s=cfg.ray.timeout_s,
-            env_vars=env,
-        )
-        groups[name].start_setup()
+    owns = engines is None
+    try:
+        for name, spec in specs.items():
+            g = plan.group(name)
+            groups[name] = LearnerGroup(
+                spec,
+                placement_group=pgs[name],
+                bundle_offset=0,
+                num_cpus=g.bundle.get("CPU", 0),
+                num_gpus=g.bundle.get("GPU", 0),
+                timeout_s=cfg.ray.timeout_s,
+                env_vars=env,
+            )
+            groups[name].start_setup()
+    except BaseException:
+        _abandon(groups, None, pgs)
+        raise
     eg = plan.group("engines")
     kwargs, engine_env = _engine_kwargs(cfg, path, gpu=gpu), dict(env)
     if cfg.rollout.backend == "vllm":
@@ -173,7 +178,6 @@ def start_components(
         engine_env.setdefault(
             "VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         )
-    owns = engines is None
     try:
         if engines is None:
             handles = create_engines(

@@ -4,7 +4,9 @@ experience -> updates -> sync -> log -> checkpoint, each step) -> clean-up (expo
 from __future__ import annotations
 
 import functools
+import os
 import queue
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +16,11 @@ from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
 from rlhf_cli import task
-from rlhf_cli.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf_cli.checkpoint import RunState, check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhf_cli.config import PPOConfig, dump_yaml
 from rlhf_cli.data import PromptCursor
 from rlhf_cli.experience import make_experience
-from rlhf_cli.placement import Plan, count_params, make_plan, placement_groups, start_ray
+from rlhf_cli.placement import Plan, count_params, local_resources, make_plan, placement_groups, start_ray
 from rlhf_cli.recipes._setup import Components, evaluate, load_prompts, start_components, warmup
 from rlhf_cli.rollout_stage import RolloutBatch, RolloutStage
 from rlhf_cli.sources import executor_factory
@@ -67,25 +69,34 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     run_dir = Path(cfg.logger.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
+    if found is not None:
+        check_resumable(found, cfg.model_dump(mode="json"))
+    elif cfg.ckpt.load_enable:
+        print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     model_dir = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
+    num_params = count_params(model_dir)
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+        make_plan(
+            cfg, local_resources(cfg), num_params=num_params
+        )  # a plan that cannot fit fails before start-up
     resources, started_ray = start_ray(cfg)
     c: Components | None = None
     try:
-        layout = make_plan(cfg, resources, num_params=count_params(model_dir))
+        layout = make_plan(cfg, resources, num_params=num_params)
         pgs = placement_groups(layout, timeout_s=cfg.ray.timeout_s, skip=("engines",) if engines else ())
         c = start_components(cfg, layout, pgs, model_dir, tokenizer, engines=engines)
         make_executor = functools.partial(executors, c.engines)
-        ckpt_root = run_dir / "checkpoints"
         state = RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef)
-        found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
         if found is not None:
             state = load_checkpoint(found, c.learner_groups())
-        elif cfg.builtin_task and cfg.train.warmup_sft_steps:
+        elif cfg.warmup_runs:
             warmup(cfg, c)
         train_set.cursor = state.cursor
         kl_ctl = (
@@ -136,7 +147,13 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
                 metrics |= evaluate(cfg, make_executor, eval_set, c.reward)
             tracker.log(step, metrics)
             if cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0:
-                save_checkpoint(ckpt_root, state, c.learner_groups(), max_keep=cfg.ckpt.max_keep)
+                save_checkpoint(
+                    ckpt_root,
+                    state,
+                    c.learner_groups(),
+                    max_keep=cfg.ckpt.max_keep,
+                    config=cfg.model_dump(mode="json"),
+                )
 
         # ---- clean-up ---------------------------------------------------------------------------
         final = run_dir / "final_model"
