@@ -109,7 +109,27 @@ def test_rloo_with_kl_matches_hand_pipeline(make_mask, gen):
     assert abs(float(sel.mean())) < 1e-5 and abs(float(sel.std()) - 1.0) < 1e-3  # whitened
 
 
-def test_gae_estimator_needs_values_and_uses_them(make_mask, gen):
+def gae_estimator_reference(scores, values, mask, gamma, lam):
+    """The gae estimator by hand: the score on each row's last action token, textbook GAE over the
+    action tokens (holes skipped), returns = advantages + values, advantages whitened over the batch."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        steps = mask[b].nonzero().flatten().tolist()
+        last = 0.0
+        for i in reversed(range(len(steps))):
+            t = steps[i]
+            reward = float(scores[b]) if i == len(steps) - 1 else 0.0
+            next_v = float(values[b, steps[i + 1]]) if i + 1 < len(steps) else 0.0
+            last = reward + gamma * next_v - float(values[b, t]) + gamma * lam * last
+            adv[b, t] = last
+    ret = (adv + values.double()) * mask
+    sel = adv[mask]
+    mean, var = sel.mean(), sel.var(unbiased=True)
+    whitened = (adv - mean) / torch.sqrt(var + 1e-8) * mask
+    return whitened, ret
+
+
+def test_gae_estimator_needs_values(make_mask, gen):
     mask = make_mask(4, 9, gen=gen, holes=False)
     inputs = AdvantageInputs(scores=torch.randn(4, generator=gen), mask=mask)
     with pytest.raises(ValueError, match="needs critic values"):
@@ -121,3 +141,42 @@ def test_gae_estimator_needs_values_and_uses_them(make_mask, gen):
     # with gamma=1 the return at the last action token is that token's reward (the score).
     last = mask.long().cumsum(-1).argmax(-1)
     torch.testing.assert_close(ret[torch.arange(4), last], inputs.scores)
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(0.9, 0.8), (1.0, 0.95), (0.99, 0.0)])
+def test_gae_estimator_matches_reference_over_the_given_values(make_mask, gen, gamma, lam):
+    mask = make_mask(6, 16, gen=gen, holes=True)
+    scores = torch.randn(6, generator=gen)
+    values = torch.randn(6, 16, generator=gen)
+    adv, ret = compute_advantages(
+        "gae", AdvantageInputs(scores=scores, mask=mask, values=values), gamma=gamma, lam=lam
+    )
+    ref_adv, ref_ret = gae_estimator_reference(scores, values, mask, gamma, lam)
+    torch.testing.assert_close(adv.double(), ref_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret.double(), ref_ret, atol=1e-5, rtol=1e-5)
+
+    # Raise the value of one action token (the j-th of row b, not its last) by d: delta_j falls by d and
+    # delta_{j-1} rises by gamma * d, so the raw advantage at step i changes by -d (i == j),
+    # gamma * d * (1 - lam) * (gamma * lam) ** (j - 1 - i) (i < j), 0 (i > j and other rows); the return
+    # (advantage + value) by 0 at j and the same amount before it.
+    b = int(mask.sum(-1).argmax())
+    steps = mask[b].nonzero().flatten().tolist()
+    j, d = len(steps) // 2, 0.75
+    assert 0 < j < len(steps) - 1
+    bumped = values.clone()
+    bumped[b, steps[j]] += d
+    adv2, ret2 = compute_advantages(
+        "gae", AdvantageInputs(scores=scores, mask=mask, values=bumped), gamma=gamma, lam=lam
+    )
+    expected_ret_change = torch.zeros(6, 16, dtype=torch.float64)
+    for i in range(j):
+        expected_ret_change[b, steps[i]] = gamma * d * (1 - lam) * (gamma * lam) ** (j - 1 - i)
+    torch.testing.assert_close((ret2 - ret).double(), expected_ret_change, atol=1e-5, rtol=1e-5)
+    raw_change = expected_ret_change.clone()
+    raw_change[b, steps[j]] = -d
+    # the advantages are whitened: whitening the changed raw advantages gives the new ones
+    raw_adv = ref_ret - values.double() * mask
+    sel = (raw_adv + raw_change)[mask]
+    expected_adv2 = ((raw_adv + raw_change) - sel.mean()) / torch.sqrt(sel.var() + 1e-8) * mask
+    torch.testing.assert_close(adv2.double(), expected_adv2, atol=1e-5, rtol=1e-5)
+    assert (adv2 - adv).abs().max() > 0.05

@@ -61,11 +61,26 @@ def test_holes_are_skipped_not_counted_as_steps():
     torch.testing.assert_close(out, torch.tensor([[0.5, 0.0, 0.0, 0.0, 1.0]]))
 
 
-def test_empty_rows_give_zeros(gen):
-    mask = torch.zeros(2, 10, dtype=torch.bool)
-    mask[1, 2:5] = True
-    adv, ret = gae(torch.ones(2, 10), torch.ones(2, 10), mask, gamma=1.0, lam=1.0)
-    assert (adv[0] == 0).all() and (ret[0] == 0).all()
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.9, 0.7)])
+def test_empty_rows_give_zeros_and_the_other_rows_match_the_reference(gen, gamma, lam, holes):
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[1, 2:5] = True  # rows 0 and 3 are empty
+    mask[2, [1, 2, 6, 9] if holes else [6, 7, 8]] = True
+    rewards = torch.randn(4, 10, generator=gen)
+    values = torch.randn(4, 10, generator=gen)
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
+    for b in range(4):  # every row, the empty ones (all zeros) included
+        torch.testing.assert_close(adv[b].double(), ref_adv[b], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ret[b].double(), ref_ret[b], atol=1e-6, rtol=1e-6)
+    assert (adv[0] == 0).all() and (ret[0] == 0).all() and (adv[3] == 0).all() and (ret[3] == 0).all()
+    assert (ref_adv[1:3][mask[1:3]] != 0).all()
+    out = discounted_returns(rewards, mask, gamma=gamma)
+    ref = returns_reference(rewards, mask, gamma)
+    for b in range(4):
+        torch.testing.assert_close(out[b].double(), ref[b], atol=1e-6, rtol=1e-6)
+    assert (out[0] == 0).all() and (out[3] == 0).all()
 
 
 def test_nan_in_action_token_is_a_clear_error():

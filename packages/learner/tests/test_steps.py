@@ -1,4 +1,5 @@
-"""Each update step lowers its loss on a fixed tiny batch; normalisation over accumulation windows.
+"""Each update step lowers its loss on a fixed tiny batch, and its first reported loss equals the loss
+function applied to a plain forward of the same batch; normalisation over accumulation windows.
 
 The steps run on real DeepSpeed engines (a gloo group of one in the test process) and take their
 loss math from rlhf-algos, as the CLI does.
@@ -7,9 +8,11 @@ loss math from rlhf-algos, as the CLI does.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from rlhf_algos import (
     aggregate_loss,
     approx_kl,
@@ -55,6 +58,40 @@ def _rows(n_rows, length, seed, prompt=3):
     }
 
 
+def _plain_logp(model, mb):
+    """``[B, T]`` log-prob of each token and entropy of the distribution that predicted it, by hand
+    from a plain Hugging Face forward (float64; column 0 has no prediction and holds 0)."""
+    ids = mb["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mb["attention_mask"]).logits.double()
+    logsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = torch.zeros(ids.shape, dtype=torch.float64)
+    entropy = torch.zeros(ids.shape, dtype=torch.float64)
+    logp[:, 1:] = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy[:, 1:] = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
+def _plain_nll(model_dir, mbs):
+    """Token-mean NLL over the loss masks of all micro-batches, from a freshly loaded model."""
+    model = load_causal_lm(model_dir)
+    total, tokens = 0.0, 0.0
+    for mb in mbs:
+        logp, _ = _plain_logp(model, mb)
+        m = mb["loss_mask"].double()
+        total, tokens = total - float((logp * m).sum()), tokens + float(m.sum())
+    return total / tokens
+
+
+def _plain_head(scalar_model, mb):
+    """The scalar head on every hidden state, ``[B, T]`` (float64), by a plain forward."""
+    with torch.no_grad():
+        hidden = scalar_model.model.base_model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]
+        ).last_hidden_state
+        return scalar_model.model.score(hidden).squeeze(-1).double()
+
+
 def _run(step, n=6):
     losses = [step().loss for _ in range(n)]
     return losses
@@ -64,30 +101,90 @@ def test_ppo_actor_step_lowers_policy_loss(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)), stage=2, gas=2)
     ref = load_reference(tiny_model_dir)
     mbs = [_rows(2, 10, seed) for seed in (0, 1)]
+    mbs[1]["action_mask"][1, 8:] = False  # micro-batches of unequal token counts (14 + 12)
     g = torch.Generator().manual_seed(5)
     for mb in mbs:
         mb["old_logp"] = reference_logp(engine, mb)
         mb["ref_logp"] = reference_logp(ref, mb)
         mb["rollout_logp"] = mb["old_logp"] + 0.01 * torch.randn(mb["old_logp"].shape, generator=g)
         mb["advantages"] = torch.randn(mb["old_logp"].shape, generator=g)
-    results = [
-        ppo_actor_step(
-            engine,
-            mbs,
-            policy_loss_fn=functools.partial(policy_loss, clip_eps_low=0.2, clip_eps_high=0.28),
-            aggregate_fn=TOKEN_MEAN,
-            kl_loss_fn=functools.partial(approx_kl, estimator="k3"),
-            kl_coef=0.01,
-            entropy_coef=0.001,
-            is_weights_fn=functools.partial(vllm_is_weights, mode="tis", high=2.0),
-        )
-        for _ in range(5)
-    ]
-    assert results[-1].loss < results[0].loss - 0.05
-    assert results[0].metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # same weights as the reference
+    pl = functools.partial(policy_loss, clip_eps_low=0.2, clip_eps_high=0.28)
+    kl_fn = functools.partial(approx_kl, estimator="k3")
+    is_fn = functools.partial(vllm_is_weights, mode="tis", high=2.0)
+    step = functools.partial(
+        ppo_actor_step,
+        policy_loss_fn=pl,
+        aggregate_fn=TOKEN_MEAN,
+        kl_loss_fn=kl_fn,
+        kl_coef=0.01,
+        entropy_coef=0.001,
+        is_weights_fn=is_fn,
+    )
+
+    def by_hand(model, mbs):
+        """The step's loss and metrics from the same loss functions on a plain forward of ``model``,
+        summed over the micro-batches and divided by all masked tokens of the step."""
+        total, pol, ent, tokens = 0.0, 0.0, 0.0, 0.0
+        for mb in mbs:
+            logp, entropy = _plain_logp(model, mb)
+            mask, d = mb["action_mask"], torch.float64
+            res = pl(
+                logp,
+                mb["old_logp"].to(d),
+                mb["advantages"].to(d),
+                mask,
+                is_weights=is_fn(mb["old_logp"], mb["rollout_logp"], mask).to(d),
+                entropy=entropy,
+                entropy_coef=0.001,
+            )
+            kl = kl_fn(logp, mb["ref_logp"].to(d)) * mask
+            total += float((res.loss + 0.01 * kl).sum())
+            pol += float(res.loss.sum())
+            ent += float((entropy * mask).sum())
+            tokens += float(mask.sum())
+        assert tokens == 26
+        return total / tokens, pol / tokens, ent / tokens
+
+    loss, pol, ent = by_hand(load_causal_lm(tiny_model_dir), mbs)  # the initial weights
+    results = [step(engine, mbs) for _ in range(5)]
+    first = results[0]
+    assert first.loss == pytest.approx(loss, abs=1e-5)
+    assert first.metrics["policy_loss"] == pytest.approx(pol, abs=1e-5)
+    assert first.metrics["entropy"] == pytest.approx(ent, rel=1e-5)
+    assert first.metrics["clip_frac"] == 0.0  # logp == old_logp: every ratio is 1
+    assert first.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # same weights as the reference
+    assert results[-1].loss < first.loss - 0.05
     assert results[-1].metrics["kl"] > 0
-    assert 0.0 <= results[-1].metrics["clip_frac"] <= 1.0
-    assert results[0].metrics["entropy"] > 0 and results[0].grad_norm > 0
+    assert first.metrics["entropy"] > 0 and first.grad_norm > 0
+
+    # Clip fraction on a constructed case: old_logp = the current log-probs + a known shift, so the
+    # ratio is exp(-shift) per token. With eps 0.2 / 0.28 a token is clipped iff ratio < 0.8 and A < 0,
+    # or ratio > 1.28 and A > 0; exp(0.5) = 1.65, exp(-0.5) = 0.61, exp(-0.1) = 0.90 (inside).
+    shifts = [0.5, -0.5, 0.0, 0.1, -0.5, 0.5]
+    clipped, tokens = 0, 0
+    shifted = []
+    for k, mb in enumerate(mbs):
+        cur = reference_logp(engine, mb)
+        shift = torch.tensor(shifts)[torch.arange(cur.numel()) % len(shifts)].view(cur.shape)
+        adv = torch.where(torch.arange(cur.numel()).view(cur.shape) % 4 < 2 - k, 1.0, -1.0)
+        shifted.append({**mb, "old_logp": cur + shift, "advantages": adv})
+        for b in range(cur.shape[0]):
+            for t in range(cur.shape[1]):
+                if not mb["action_mask"][b, t]:
+                    continue
+                ratio = math.exp(-float(shift[b, t]))
+                a = float(adv[b, t])
+                clipped += (ratio < 0.8 and a < 0) or (ratio > 1.28 and a > 0)
+                tokens += 1
+    assert 0 < clipped < tokens
+    loss, pol, _ = by_hand(engine.module.model, shifted)  # the current weights, now away from the reference
+    r = step(engine, shifted)
+    assert r.metrics["clip_frac"] == pytest.approx(clipped / tokens, abs=1e-12)
+    assert r.loss == pytest.approx(loss, abs=1e-5) and r.metrics["policy_loss"] == pytest.approx(
+        pol, abs=1e-5
+    )
+    assert r.metrics["kl"] > 1e-4
+
     with pytest.raises(ValueError, match="grad_accum_steps"):
         ppo_actor_step(engine, mbs[:1], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
     with pytest.raises(ValueError, match="kl_coef"):
@@ -106,28 +203,47 @@ def test_aux_loss_coef_on_a_dense_model_names_the_option(dist_single, tiny_model
 def test_critic_step_lowers_value_loss(dist_single, tiny_model_dir):
     engine = _engine(load_critic(tiny_model_dir))
     mb = _rows(3, 8, 2)
+    mb["action_mask"][2, 6:] = False
     g = torch.Generator().manual_seed(2)
     mb["returns"] = torch.randn(3, 8, generator=g)
-    with torch.no_grad():
-        mb["old_values"] = engine(mb["input_ids"], attention_mask=mb["attention_mask"])
+    # V(x_<t) at column t: the head read at t - 1, by a plain forward of the initial weights
+    values = torch.zeros(3, 8, dtype=torch.float64)
+    values[:, 1:] = _plain_head(engine.module, mb)[:, :-1]
+    # old values off by a known amount: with clip_eps=10 the loss must not depend on them
+    mb["old_values"] = (values + 0.5 * torch.randn(3, 8, generator=g)).float()
     vl = functools.partial(value_loss, clip_eps=10.0)
-    losses = _run(lambda: critic_step(engine, [mb], value_loss_fn=vl, aggregate_fn=TOKEN_MEAN))
-    assert losses[-1] < 0.7 * losses[0]
+    results = [critic_step(engine, [mb], value_loss_fn=vl, aggregate_fn=TOKEN_MEAN) for _ in range(6)]
+    m = mb["action_mask"]
+    expected = 0.5 * ((values - mb["returns"].double()) ** 2)[m].mean()
+    assert results[0].loss == pytest.approx(float(expected), rel=1e-5)
+    assert results[0].metrics["value_loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert results[0].metrics["values"] == pytest.approx(float(values[m].mean()), abs=1e-5)
+    assert results[-1].loss < 0.7 * results[0].loss
 
 
 def test_sft_step_lowers_nll(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)))
     mb = _rows(2, 12, 3)
     mb["loss_mask"] = mb.pop("action_mask")
-    losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss))
-    assert losses[-1] < losses[0] - 0.5
+    mb["loss_mask"][0, 9:] = False
+    results = [sft_step(engine, [mb], sft_loss_fn=sft_loss) for _ in range(6)]
+    nll = _plain_nll(tiny_model_dir, [mb])  # token mean over the 6 + 9 target tokens
+    assert results[0].loss == pytest.approx(nll, rel=1e-5)
+    assert results[0].metrics["nll"] == pytest.approx(nll, rel=1e-5)
+    assert results[-1].loss < results[0].loss - 0.5
 
 
 def test_reward_model_step_separates_chosen_from_rejected(dist_single, tiny_model_dir, tmp_path):
     engine = _engine(load_reward_model(tiny_model_dir))
     chosen, rejected = _rows(3, 8, 4), _rows(3, 8, 5)
     mb = {k: torch.cat([chosen[k], rejected[k]]) for k in ("input_ids", "attention_mask")}
+    # scores by hand: the head at each row's last token (no padding here), initial weights
+    score = _plain_head(engine.module, mb)[:, -1]
+    diff = score[:3] - score[3:]  # chosen - rejected, pair by pair
     results = [reward_model_step(engine, [mb], pair_loss_fn=pairwise_rm_loss) for _ in range(6)]
+    assert results[0].loss == pytest.approx(float(-F.logsigmoid(diff).mean()), rel=1e-5)
+    assert results[0].metrics["margin"] == pytest.approx(float(diff.mean()), abs=1e-5)
+    assert results[0].metrics["accuracy"] == pytest.approx(float((diff > 0).double().mean()))
     assert results[-1].loss < results[0].loss - 0.2
     assert results[-1].metrics["accuracy"] == 1.0
 
@@ -155,9 +271,22 @@ def test_dpo_step_lowers_dpo_loss(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)))
     ref = load_reference(tiny_model_dir)
     mb = _pairs(6)
-    mb["ref_logp"] = reference_sequence_logp(ref, mb)
+    # rows: chosen 0, 1, then rejected 0, 1; the reference is the initial policy shifted by known offsets
+    offsets = torch.tensor([0.5, -0.3, -0.4, 0.2])
+    mb["ref_logp"] = reference_sequence_logp(ref, mb) + offsets
     results = [dpo_step(engine, [mb], dpo_loss_fn=functools.partial(dpo_loss, beta=0.1)) for _ in range(5)]
-    assert results[0].loss == pytest.approx(0.6931, abs=1e-3)  # log 2 at the reference
+    # at the first step policy == reference + offsets, so h = (-0.5 - 0.4, 0.3 + 0.2) = (-0.9, 0.5)
+    h = (-0.9, 0.5)
+    by_hand = sum(math.log1p(math.exp(-0.1 * x)) for x in h) / 2  # mean of -log sigmoid(beta * h)
+    assert results[0].loss == pytest.approx(by_hand, abs=1e-5)
+    assert results[0].metrics["logit_margin"] == pytest.approx(sum(h) / 2, abs=1e-4)
+    assert results[0].metrics["accuracy"] == 0.5
+    # ... and the same loss from a plain forward of the policy
+    logp, _ = _plain_logp(load_causal_lm(tiny_model_dir), mb)
+    seq = (logp * mb["loss_mask"]).sum(-1)
+    ref_seq = mb["ref_logp"].double()
+    plain = dpo_loss(seq[:2], seq[2:], ref_seq[:2], ref_seq[2:], beta=0.1).loss.mean()
+    assert results[0].loss == pytest.approx(float(plain), abs=1e-5)
     assert results[-1].loss < results[0].loss - 0.1
     assert results[-1].metrics["accuracy"] == 1.0
 
@@ -166,13 +295,25 @@ def test_kto_step_lowers_kto_loss(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)))
     ref = load_reference(tiny_model_dir)
     mb = _pairs(7)  # rows: 2 examples, then 2 mismatched completions for the KL reference point
-    mb["ref_logp"] = reference_sequence_logp(ref, mb)
+    # the reference is the initial policy shifted by known offsets: at the first step the examples'
+    # log-ratios are r = (-0.5, 0.6) and the reference point z0 = max(0, mean(0.4, 0.2)) = 0.3
+    offsets = torch.tensor([0.5, -0.6, -0.4, -0.2])
+    mb["ref_logp"] = reference_sequence_logp(ref, mb) + offsets
     mb["desirable"] = torch.tensor([True, False])
     step = functools.partial(
-        kto_step, kto_loss_fn=functools.partial(kto_loss, beta=0.1), kl_baseline_fn=kto_kl_baseline
+        kto_step, kto_loss_fn=functools.partial(kto_loss, beta=1.0), kl_baseline_fn=kto_kl_baseline
     )
-    losses = _run(lambda: step(engine, [mb]), n=5)
-    assert losses[-1] < losses[0] - 0.02
+    results = [step(engine, [mb]) for _ in range(5)]
+
+    def sigmoid(x):
+        return 1 / (1 + math.exp(-x))
+
+    # desirable: 1 - sigmoid(beta (r - z0)); undesirable: 1 - sigmoid(beta (z0 - r)). (beta = 1: with one
+    # example of each kind, z0 cancels from the mean to first order, so a small beta would hide it.)
+    by_hand = ((1 - sigmoid(-0.5 - 0.3)) + (1 - sigmoid(0.3 - 0.6))) / 2
+    assert results[0].loss == pytest.approx(by_hand, abs=1e-5)
+    assert results[0].metrics["kl_baseline"] == pytest.approx(0.3, abs=1e-5)
+    assert results[-1].loss < results[0].loss - 0.02
 
 
 def test_accumulation_window_normalisation_matches_one_big_batch(dist_single, tiny_model_dir):
@@ -194,6 +335,7 @@ def test_accumulation_window_normalisation_matches_one_big_batch(dist_single, ti
         r = sft_step(engine, mbs, sft_loss_fn=sft_loss)
         states.append((r.loss, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
     assert states[0][0] == pytest.approx(states[1][0], abs=1e-6)
+    assert states[0][0] == pytest.approx(_plain_nll(tiny_model_dir, [a, b]), rel=1e-5)  # 10 + 3 * 1 tokens
     for k in states[0][1]:
         torch.testing.assert_close(states[0][1][k], states[1][1][k], atol=1e-6, rtol=0)
     moved = max((states[0][1][k] - v).abs().max().item() for k, v in init.items())
@@ -206,10 +348,13 @@ def test_torch_optimizer_passed_in_and_muon(dist_single, tiny_model_dir):
     engine = s.prepare(model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     mb = _rows(2, 8, 10)
     mb["loss_mask"] = mb.pop("action_mask")
+    nll = _plain_nll(tiny_model_dir, [mb])
     losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss), n=3)
+    assert losses[0] == pytest.approx(nll, rel=1e-5)
     assert losses[-1] < losses[0]
     muon = _engine(Actor(load_causal_lm(tiny_model_dir)), optimizer="muon", lr=2e-2)
     losses = _run(lambda: sft_step(muon, [mb], sft_loss_fn=sft_loss), n=3)
+    assert losses[0] == pytest.approx(nll, rel=1e-5)
     assert losses[-1] < losses[0]
 
 
@@ -228,6 +373,9 @@ def test_offload_and_bf16_configurations_train(dist_single, tiny_model_dir, opts
     mb = _rows(2, 10, 11)
     mb["loss_mask"] = mb.pop("action_mask")
     losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss), n=4)
+    # the first loss is the fp32 NLL of the initial weights (bf16 forward: within its rounding)
+    nll = _plain_nll(tiny_model_dir, [mb])
+    assert losses[0] == pytest.approx(nll, rel=2e-2 if opts.get("precision") == "bf16" else 1e-5)
     assert losses[-1] < losses[0] - 0.2
 
 
@@ -300,8 +448,16 @@ def test_moe_router_aux_loss_is_added_with_its_coefficient(dist_single, tmp_path
             engine, [mb], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, aux_loss_coef=coef
         )
         losses.append(r.loss)
-    # Same weights and data: the difference is the router loss (about 1 for balanced routing, here > 0.5).
-    assert losses[1] - losses[0] > 0.5
+    # Same weights and data, ratio 1 and advantage 1: the policy loss is -1 per token, and coef=1 adds the
+    # router's balancing loss, as the plain model reports it for this batch.
+    moe = AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    with torch.no_grad():
+        aux = moe(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True
+        ).aux_loss
+    assert losses[0] == pytest.approx(-1.0, abs=1e-5)
+    assert losses[1] == pytest.approx(-1.0 + float(aux), abs=1e-5)
+    assert losses[1] - losses[0] > 0.5  # about 1 for balanced routing
 
 
 def test_checkpoint_errors_are_clear(dist_single, tiny_model_dir, tmp_path):
