@@ -3,7 +3,6 @@ reward model, or an agent file (single-turn reward_func or multi-turn make_env).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from rlhf_rollout import (
     SamplingParams,
     SingleTurnExecutor,
 )
+from rlhf_rollout.rewards import import_python_file
 
 from rlhf_cli import task
 from rlhf_cli.config import PPOConfig
@@ -26,16 +26,10 @@ __all__ = ["ExecutorFactory", "executor_factory", "load_agent_file"]
 def load_agent_file(path: Path) -> Any:
     """Import an agent file; it must define ``make_env()`` (multi-turn) or ``reward_func`` (single-turn).
     The file is executed: only pass files you trust."""
-    if not path.is_file():
-        raise ValueError(f"--train.agent_func_path: {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_rlhf_agent_{abs(hash(str(path.resolve())))}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--train.agent_func_path: {str(path)!r} cannot be imported as Python")
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ValueError(f"--train.agent_func_path: importing {str(path)!r} failed: {err!r}") from err
+        module = import_python_file(path, what="agent file")
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        raise ValueError(f"--train.agent_func_path: {err}") from None
     if not callable(getattr(module, "make_env", None)) and not callable(getattr(module, "reward_func", None)):
         raise ValueError(f"--train.agent_func_path: {str(path)!r} defines neither make_env() nor reward_func")
     return module

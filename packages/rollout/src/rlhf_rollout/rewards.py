@@ -9,9 +9,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
-__all__ = ["RewardFunction", "RewardResult", "RewardSource", "load_reward_func", "normalize_reward_output"]
+__all__ = [
+    "RewardFunction",
+    "RewardResult",
+    "RewardSource",
+    "import_python_file",
+    "load_reward_func",
+    "normalize_reward_output",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,19 +74,26 @@ def normalize_reward_output(output: Any, *, n: int, source: str) -> RewardResult
     return RewardResult(rewards=rewards, scores=rewards)
 
 
-def load_reward_func(path: str | Path) -> Callable[..., Any]:
-    """Import ``reward_func`` from the Python file at ``path``; errors name the file."""
+def import_python_file(path: str | Path, *, what: str) -> ModuleType:
+    """Execute the Python file at ``path`` as a module (only for files you trust); errors name ``what``
+    and the file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"reward function file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_rlhf_reward_{abs(hash(str(path.resolve())))}", path)
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_rlhf_user_{abs(hash(str(path.resolve())))}", path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"reward function file {str(path)!r} cannot be imported as Python")
+        raise ValueError(f"{what} {str(path)!r} cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as err:
-        raise RuntimeError(f"importing reward function file {str(path)!r} failed: {err!r}") from err
+        raise RuntimeError(f"importing {what} {str(path)!r} failed: {err!r}") from err
+    return module
+
+
+def load_reward_func(path: str | Path) -> Callable[..., Any]:
+    """Import ``reward_func`` from the Python file at ``path``; errors name the file."""
+    module = import_python_file(path, what="reward function file")
     func = getattr(module, "reward_func", None)
     if func is None:
         raise ValueError(f"reward function file {str(path)!r} defines no 'reward_func'")
