@@ -118,19 +118,15 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (
-            ("rollout/reward_mean", "train reward (mean)"),
-            ("eval/pass_rate", "eval pass rate"),
-            ("eval/reward_mean", "eval reward (mean)"),
-        ):
+        styles = {  # eval reward and pass rate coincide for 0/1 rewards: both stay visible
+            "rollout/reward_mean": ("train reward (mean)", {"alpha": 0.6}),
+            "eval/pass_rate": ("eval pass rate", {"marker": "o", "linewidth": 2.5}),
+            "eval/reward_mean": ("eval reward (mean)", {"marker": "x", "linestyle": "--"}),
+        }
+        for key, (label, style) in styles.items():
             pts = self.series(key)
             if pts:
-                ax.plot(
-                    [s for s, _ in pts],
-                    [v for _, v in pts],
-                    marker="o" if key.startswith("eval") else None,
-                    label=label,
-                )
+                ax.plot([s for s, _ in pts], [v for _, v in pts], label=label, **style)
         ax.set_xlabel("step")
         ax.set_title("rlhf ppo")
         ax.grid(alpha=0.3)
