@@ -13,7 +13,7 @@ import pytest
 import torch
 from rlhf_weightsync import WeightSender
 
-TOL = 1e-4  # max |logprob difference| vLLM vs transformers, fp32 (DESIGN.md measured ~1e-6)
+TOL = 1e-4  # max |logprob difference| vLLM vs transformers, fp32 (seen ~1e-6)
 EXT = "rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension"
 TOKENS = [int(t) for t in torch.randint(260, 500, (48,), generator=torch.Generator().manual_seed(7))]
 

@@ -1,4 +1,4 @@
-"""transformers engine: batched ``generate`` with left padding; on CPU it can beat vLLM (DESIGN.md §5)."""
+"""transformers engine: batched ``generate`` with left padding; on CPU it can beat vLLM on toy models."""
 
 from __future__ import annotations
 
