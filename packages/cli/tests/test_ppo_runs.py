@@ -63,7 +63,8 @@ def check_run(result, *, steps: int = 2) -> list[dict]:
 
 
 def test_gae_trains_its_critic(tmp_path, one_engine, demo_model_dir):
-    """A reward of 1 for every sample: returns are 1, so the value loss falls as the critic learns it."""
+    """A reward of 1 for every sample (from a single-turn agent file's reward_func): returns are 1, so the
+    value loss falls as the critic learns it."""
     func = tmp_path / "one.py"
     func.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
     result = ppo(
@@ -75,7 +76,7 @@ def test_gae_trains_its_critic(tmp_path, one_engine, demo_model_dir):
         "3",
         "--actor.pretrain",
         str(demo_model_dir),
-        "--reward.func",
+        "--train.agent_func_path",
         str(func),
         "--critic.lr",
         "2e-3",
@@ -103,12 +104,15 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         str(func),
         "--algo.kl.coef",
         "0.05",
+        "--algo.kl.target=0.01",
     )
     rows = check_run(result)
     assert "policy/kl" in rows[0] and rows[0]["policy/kl"] == pytest.approx(
         0.0, abs=1e-5
     )  # ref == actor at first
     assert rows[1]["policy/kl"] > 0
+    # adaptive coefficient: step 1's KL (0) was below the target, so the coefficient went down
+    assert rows[0]["policy/kl_coef"] == 0.05 and rows[1]["policy/kl_coef"] < 0.05
 
 
 def _reward_model_folder(base: Path, out: Path) -> Path:
@@ -176,7 +180,8 @@ class _RewardServer:
 
 
 def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_model_dir):
-    """LoRA on the actor: the engines get merged weights (the step-2 log-probs match the learner's)."""
+    """LoRA on the actor: the engines get merged weights (the step-2 log-probs match the learner's);
+    GSPO's sequence-level ratio."""
     server = _RewardServer()
     try:
         result = ppo(
@@ -189,6 +194,9 @@ def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_mo
             "--reward.remote_url",
             f"http://127.0.0.1:{server.port}/reward",
             "--actor.lora.rank=4",
+            "--algo.clip.ratio_type=sequence",
+            "--algo.clip.eps_low=3e-4",
+            "--algo.clip.eps_high=4e-4",
             "--actor.lr=1e-2",
         )
     finally:
