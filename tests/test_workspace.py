@@ -64,3 +64,16 @@ def test_cli_wheel_pins_siblings_with_bounds(wheels):
     for sib in ("rlhf-algos", "rlhf-rollout", "rlhf-learner", "rlhf-weightsync"):
         (req,) = [r for r in reqs if r.startswith(sib + ">") or r.startswith(sib + "<")]
         assert ">=" in req and "<" in req, req
+
+
+def test_cli_bounds_admit_the_siblings_current_versions(wheels):
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    reqs = {Requirement(r).name: Requirement(r) for r in _requires(wheels["rlhf-cli"])}
+    for folder in ("algos", "rollout", "learner", "weightsync", "testkit"):
+        project = tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
+        req = reqs[project["name"]]
+        assert req.specifier.contains(project["version"]), (req, project["version"])
+        assert (ROOT / "packages" / folder / "CHANGELOG.md").is_file()
