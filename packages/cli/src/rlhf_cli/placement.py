@@ -91,7 +91,7 @@ def _gib(n: float) -> float:
 def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -> Plan:
     """Processes, bundles and memory per group; raises ConfigError naming the flag when it cannot fit."""
     gpu = resources.gpus > 0
-    per = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": cfg.ray.cpus_per_worker}
+    per = {"GPU": cfg.ray.gpus_per_worker, "CPU": 1.0} if gpu else {"CPU": cfg.ray.cpus_per_worker}
     bytes_w = 2 if cfg.ds.precision == "bf16" else 4
     stage = cfg.ds.zero_stage
 
@@ -155,7 +155,8 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
     if gpu and need_gpu > resources.gpus:
         raise ConfigError(
             f"--vllm.num_engines {cfg.vllm.num_engines} x --vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size} "
-            f"engines plus the learner groups need {need_gpu:g} GPUs; the cluster has {resources.gpus}"
+            f"engines plus the learner groups need {need_gpu:g} GPUs ({cfg.ray.gpus_per_worker:g} each, "
+            f"--ray.gpus_per_worker); the cluster has {resources.gpus}"
         )
     if need_cpu > resources.cpus + 1e-9:
         raise ConfigError(
@@ -165,7 +166,10 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
     transport = cfg.weightsync.transport
     if transport == "auto":
         one_host = len(set(resources.node_ips)) <= 1
-        transport = "nccl" if gpu and cfg.rollout.backend == "vllm" else ("shm" if one_host else "gloo")
+        if gpu and cfg.rollout.backend == "vllm":  # NCCL needs one GPU per rank; shared GPUs use CUDA IPC
+            transport = "nccl" if cfg.ray.gpus_per_worker == 1 else "cuda_ipc"
+        else:
+            transport = "shm" if one_host else "gloo"
     if transport in ("nccl", "cuda_ipc") and not gpu:
         raise ConfigError(f"--weightsync.transport {transport}: needs GPUs; the cluster has none")
     if transport == "shm" and len(set(resources.node_ips)) > 1:

@@ -83,5 +83,8 @@ class RayConfig(Section):
     """Local cluster only: CPUs it offers (default: this machine's)."""
     cpus_per_worker: float = Field(0.25, gt=0)
     """CPUs each learner rank and each engine claims on a CPU-only cluster."""
+    gpus_per_worker: float = Field(1.0, gt=0, le=1)
+    """GPUs each learner rank and each engine worker claims; below 1 they share GPUs (weights then go over
+    CUDA IPC; lower --vllm.gpu_memory_utilization to fit)."""
     timeout_s: float = Field(900.0, gt=0)
     """Timeout of every call into a Ray actor."""
