@@ -57,6 +57,14 @@ def test_bad_requests_are_400_with_a_reason(server):
         client.completions.create(model="policy", prompt=[1] * 600, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="temperature must be"):
         client.completions.create(model="policy", prompt="hello", temperature=-1)
+    # zeros are values, not "unset": each is refused by SamplingParams instead of becoming a default
+    for field, message in (
+        ("top_p", "top_p must be in"),
+        ("n", "n must be >= 1"),
+        ("max_tokens", "max_new_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model="policy", prompt="hello", **{"max_tokens": 4, field: 0})
     assert server.records() == []
 
 

@@ -158,19 +158,25 @@ class OpenAIServer:
     def _params(self, body: dict) -> SamplingParams:
         if body.get("stop"):
             raise _BadRequest("'stop' strings are not supported; pass token ids as 'stop_token_ids'")
+
+        def given(*names: str, default):
+            """The first field the request sets (None counts as unset; 0 is a value, checked below)."""
+            for name in names:
+                if body.get(name) is not None:
+                    return body[name]
+            return default
+
         try:
             return SamplingParams(
-                temperature=float(
-                    body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0
-                ),
-                top_p=float(body.get("top_p") or 1.0),
-                top_k=int(body.get("top_k") or 0),
+                temperature=float(given("temperature", default=1.0)),
+                top_p=float(given("top_p", default=1.0)),
+                top_k=int(given("top_k", default=0)),
                 max_new_tokens=int(
-                    body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens
+                    given("max_tokens", "max_completion_tokens", default=self.default_max_tokens)
                 ),
-                stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+                stop_token_ids=tuple(given("stop_token_ids", default=())),
                 seed=body.get("seed"),
-                n=int(body.get("n") or 1),
+                n=int(given("n", default=1)),
             )
         except (TypeError, ValueError) as err:
             raise _BadRequest(f"bad sampling parameters: {err}") from err
