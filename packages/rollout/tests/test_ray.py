@@ -86,3 +86,5 @@ def test_create_engines_rejects_bad_placement(ray_cluster, tiny_model_dir):
         create_engines(num_engines=1, backend="transformers", engine_kwargs={}, bundle_indices=[0])
     with pytest.raises(ValueError, match="only the vllm backend shards"):
         create_engines(num_engines=1, backend="transformers", engine_kwargs={}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"engine_kwargs\['tensor_parallel_size'\]=2 differs"):
+        create_engines(num_engines=1, backend="vllm", engine_kwargs={"tensor_parallel_size": 2})

@@ -141,7 +141,12 @@ def create_engines(
         env = dict(env_vars or {})
         options: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "num_gpus": num_gpus_per_engine}
         if backend == "vllm":
-            kwargs.setdefault("tensor_parallel_size", tp)
+            if kwargs.get("tensor_parallel_size", tp) != tp:
+                raise ValueError(
+                    f"engine_kwargs['tensor_parallel_size']={kwargs['tensor_parallel_size']} differs from "
+                    f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
+                )
+            kwargs["tensor_parallel_size"] = tp
             if tp > 1:
                 kwargs.setdefault("distributed_executor_backend", "ray")
                 options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
