@@ -93,6 +93,8 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         "def reward_func(queries, prompts, labels):\n"
         "    return [float(sum(c.isdigit() for c in q[len(p):])) for q, p in zip(queries, prompts)]\n"
     )
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"say {i} digits", "label": i}) + "\n" for i in range(12)))
     result = ppo(
         tmp_path / "run",
         one_engine,
@@ -105,8 +107,14 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         "--algo.kl.coef",
         "0.05",
         "--algo.kl.target=0.01",
+        f"--data.path={data}",
+        "--data.apply_chat_template",
+        f"--eval.path={data}",
+        "--eval.every=1",
     )
     rows = check_run(result)
+    # evaluation on --eval.path before the first step and after the last; the pass rate is a fraction
+    assert 0 <= rows[0]["eval/pass_rate"] <= 1 and "eval/reward_mean" in rows[-1]
     assert "policy/kl" in rows[0] and rows[0]["policy/kl"] == pytest.approx(
         0.0, abs=1e-5
     )  # ref == actor at first
@@ -265,7 +273,9 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
         "--logger.tensorboard",
         "false",
     ]
-    whole = ppo(tmp_path / "whole", one_engine, *common, "--train.num_steps", "4")
+    whole = ppo(tmp_path / "whole", one_engine, *common, "--train.num_steps", "4", "--ckpt.max_keep", "1")
+    kept = sorted(p.name for p in (whole.run_dir / "checkpoints").glob("step_*"))
+    assert kept == ["step_000004"]  # step 2 pruned by --ckpt.max_keep 1
     first = ppo(tmp_path / "split", one_engine, *common, "--train.num_steps", "2")
     assert (first.run_dir / "checkpoints" / "latest").read_text() == "step_000002"
     assert not list((first.run_dir / "checkpoints").glob(".tmp-*"))
