@@ -19,16 +19,8 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
-MODELS = {
-    "tiny": {},
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    ),
-}
+from rollout_cpu import MODELS
+
 STAGES = ("generation", "reward", "reference", "learner", "sync")
 
 
