@@ -5,11 +5,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from rlhf_learner import pack_sequences
 
-__all__ = ["PolicyBatch", "Rows", "SFTBatch", "Sample", "ValueBatch", "pad_stack", "to_rows"]
+if TYPE_CHECKING:
+    from rlhf_cli.examples import Example, KTOExample, PreferencePair
+
+__all__ = [
+    "KTOBatch",
+    "PairBatch",
+    "PolicyBatch",
+    "Rows",
+    "SFTBatch",
+    "Sample",
+    "ValueBatch",
+    "example_rows",
+    "pad_stack",
+    "to_rows",
+]
 
 
 @dataclass(kw_only=True)
@@ -151,3 +166,49 @@ class SFTBatch(_StepBatch):
     @classmethod
     def build(cls, samples: Sequence[Sample], *, packing: bool) -> SFTBatch:
         return cls(**cls._rows(samples, {"loss_mask": "action_mask"}, packing=packing))
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[Example], *, packing: bool) -> SFTBatch:
+        return cls(**example_rows(examples, packing=packing))
+
+
+def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``loss_mask`` and ``attention_mask`` or ``position_ids`` of training examples."""
+    return to_rows(
+        [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples], packing=packing
+    ).tensors
+
+
+@dataclass(kw_only=True)
+class PairBatch(_StepBatch):
+    """A micro-batch for ``reward_model_step`` or ``dpo_step``: ``2P`` padded rows, the chosen responses
+    then the rejected ones (one row per sequence: the steps read one score or sum per row)."""
+
+    loss_mask: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    """``[2P]`` the reference's summed response log-probs (DPO)."""
+
+    @classmethod
+    def build(cls, pairs: Sequence[PreferencePair], *, ref_logp: torch.Tensor | None = None) -> PairBatch:
+        rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+        return cls(**example_rows(rows, packing=False), ref_logp=ref_logp)
+
+
+@dataclass(kw_only=True)
+class KTOBatch(_StepBatch):
+    """A micro-batch for ``kto_step``: ``N`` example rows then their ``N`` mismatched rows (padded)."""
+
+    loss_mask: torch.Tensor
+    ref_logp: torch.Tensor
+    """``[2N]`` the reference's summed response log-probs of every row."""
+    desirable: torch.Tensor
+    """``[N]`` bool."""
+
+    @classmethod
+    def build(cls, examples: Sequence[KTOExample], *, ref_logp: torch.Tensor) -> KTOBatch:
+        rows = [e.example for e in examples] + [e.mismatched for e in examples]
+        return cls(
+            **example_rows(rows, packing=False),
+            ref_logp=ref_logp,
+            desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+        )

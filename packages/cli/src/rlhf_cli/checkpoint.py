@@ -33,7 +33,18 @@ class RunState:
     kl_coef: float = 0.0
 
 
-RESUMABLE_CHANGES = ("train.num_steps", "ckpt.", "logger.", "ray.", "eval.", "weightsync.timeout_s")
+RESUMABLE_CHANGES = (
+    "train.num_steps",
+    "train.max_steps",
+    "train.num_epochs",
+    "ckpt.",
+    "logger.",
+    "ray.",
+    "eval.every",
+    "eval.max_samples",
+    "eval.pass_threshold",
+    "weightsync.timeout_s",
+)
 """Settings a resumed run may change; every other one must equal the checkpoint's."""
 
 
@@ -99,7 +110,7 @@ def check_resumable(path: Path, config: dict) -> None:
     """Before start-up: the checkpoint at ``path`` was written by a run with the same settings."""
     saved = path / "config.json"
     if not saved.is_file():
-        raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by rlhf ppo?)")
+        raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by an rlhf command?)")
     check_compatible(json.loads(saved.read_text()), config, where=path)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PromptCursor", "PromptRecord", "PromptSet", "load_records"]
+__all__ = ["PromptCursor", "PromptRecord", "PromptSet", "load_records", "read_rows", "seeded_order"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,14 +31,7 @@ def load_records(
     """Records from ``path`` (``.jsonl`` file or ``datasets.save_to_disk`` folder). Errors name the file
     and line (JSONL) or row (datasets) and the missing key."""
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{flag}: {str(path)!r} does not exist")
-    if path.is_dir():
-        rows = _dataset_rows(path, flag)
-        where = "row"
-    else:
-        rows = _jsonl_rows(path)
-        where = "line"
+    where, rows = read_rows(path, flag=flag)
     out: list[PromptRecord] = []
     for number, row in rows:
         if input_key not in row:
@@ -59,6 +53,24 @@ def load_records(
     if not out:
         raise ValueError(f"{flag}: {str(path)!r} holds no prompts")
     return out
+
+
+def read_rows(path: Path, *, flag: str) -> tuple[str, Iterator[tuple[int, dict]]]:
+    """``(where, rows)``: ``"line"`` and ``(line number, object)`` of a JSONL file, or ``"row"`` and
+    ``(row index, row)`` of a ``datasets`` folder (its ``train`` split)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{flag}: {str(path)!r} does not exist")
+    if path.is_dir():
+        return "row", _dataset_rows(path, flag)
+    return "line", _jsonl_rows(path)
+
+
+def seeded_order(n: int, *, seed: int, epoch: int) -> list[int]:
+    """The order of ``n`` items in ``epoch`` of a run seeded with ``seed``."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
 
 
 def _jsonl_rows(path: Path):
@@ -129,16 +141,11 @@ class PromptSet:
                 )
         return cls(token_ids=ids, labels=[r.label for r in records], seed=seed)
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.token_ids)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
     def next_batch(self, size: int) -> tuple[list[list[int]], list[Any]]:
         """The next ``size`` prompts (wrapping into a new epoch as needed) and their labels."""
         picked: list[int] = []
         while len(picked) < size:
-            order = self._order(self.cursor.epoch)
+            order = seeded_order(len(self.token_ids), seed=self.seed, epoch=self.cursor.epoch)
             take = order[self.cursor.index : self.cursor.index + size - len(picked)]
             picked += take
             self.cursor.index += len(take)

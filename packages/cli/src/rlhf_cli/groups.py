@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from rlhf_learner import LoraOptions, ModelOptions, StepResult, StrategyOptions
 
-from rlhf_cli.batches import PolicyBatch, SFTBatch, ValueBatch, to_rows
+from rlhf_cli.batches import KTOBatch, PairBatch, PolicyBatch, SFTBatch, ValueBatch, to_rows
 
 __all__ = ["GroupSpec", "LearnerGroup", "LearnerWorker", "PolicyLossSettings", "Role"]
 
@@ -34,6 +34,12 @@ class GroupSpec:
     lora: LoraOptions | None = None
     temperature: float = 1.0
     """Sampling temperature: the actor and reference score tokens under the sampler's distribution."""
+    trains: bool | None = None
+    """Whether the group is trained; unset: the actor and critic are, the reference and reward model not."""
+
+    @property
+    def trained(self) -> bool:
+        return self.trains if self.trains is not None else self.role in ("actor", "critic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +94,7 @@ class LearnerWorker:
         self.strategy.setup_distributed(
             rank=self.rank, world_size=spec.world_size, master_addr=master_addr, master_port=master_port
         )
-        train = spec.role in ("actor", "critic")
+        train = spec.trained
         ds_config = self.strategy.ds_config(train=train)
         if spec.role == "actor":
             lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config)
@@ -103,8 +109,9 @@ class LearnerWorker:
             model = load_critic(spec.model_path, options=spec.model, ds_config=ds_config)
         else:
             model = load_reward_model(spec.model_path, options=spec.model, ds_config=ds_config)
-            model.eval()
-            model.requires_grad_(False)
+            if not train:
+                model.eval()
+                model.requires_grad_(False)
         self.engine = self.strategy.prepare(model, train=train)
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
 
@@ -127,7 +134,7 @@ class LearnerWorker:
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw))]
             else:
                 out += list(self.engine(t["input_ids"], **kw).float().cpu())
-        if self.spec.role in ("actor", "critic"):
+        if self.spec.trained:
             self.engine.train()
         return out
 
@@ -175,6 +182,56 @@ class LearnerWorker:
         from rlhf_learner import sft_step
 
         return sft_step(self.engine, [mb.step_input() for mb in micro_batches], sft_loss_fn=sft_loss)
+
+    def train_reward_model(self, *, micro_batches: list[PairBatch]) -> StepResult:
+        from rlhf_algos import pairwise_rm_loss
+        from rlhf_learner import reward_model_step
+
+        return reward_model_step(
+            self.engine, [mb.step_input() for mb in micro_batches], pair_loss_fn=pairwise_rm_loss
+        )
+
+    def train_dpo(
+        self,
+        *,
+        micro_batches: list[PairBatch],
+        loss: str,
+        beta: float,
+        label_smoothing: float,
+        nll_coef: float,
+    ) -> StepResult:
+        from rlhf_algos import dpo_loss
+        from rlhf_learner import dpo_step
+
+        fn = functools.partial(dpo_loss, beta=beta, variant=loss, label_smoothing=label_smoothing)
+        return dpo_step(
+            self.engine, [mb.step_input() for mb in micro_batches], dpo_loss_fn=fn, nll_coef=nll_coef
+        )
+
+    def train_kto(
+        self,
+        *,
+        micro_batches: list[KTOBatch],
+        beta: float,
+        desirable_weight: float,
+        undesirable_weight: float,
+    ) -> StepResult:
+        from rlhf_algos import kto_kl_baseline, kto_loss
+        from rlhf_learner import kto_step
+
+        fn = functools.partial(
+            kto_loss, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
+        )
+        return kto_step(
+            self.engine,
+            [mb.step_input() for mb in micro_batches],
+            kto_loss_fn=fn,
+            kl_baseline_fn=kto_kl_baseline,
+        )
+
+    def set_reward_normalization(self, *, mean: float, std: float) -> None:
+        """Store the score statistics in the reward model's config (saved with the export)."""
+        self.engine.module.set_normalization(mean=mean, std=std)
 
     # --- weight sync (actor) ---------------------------------------------------------------------
     def open_weight_sync(
@@ -236,6 +293,19 @@ class LearnerWorker:
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.strategy.export_hf(self.engine.module, directory, tokenizer=tokenizer)
+
+    def export_adapter(self, *, directory: str) -> bool:
+        """Write the LoRA adapter alone (rank 0; ZeRO 0-2 keep whole weights on every rank). False
+        when the model has no adapter."""
+        from rlhf_learner import save_adapter
+        from rlhf_learner.strategy import unwrap_hf_model
+
+        hf = unwrap_hf_model(self.engine.module)
+        if not hasattr(hf, "peft_config"):
+            return False
+        if self.rank == 0:
+            save_adapter(hf, directory)
+        return True
 
 
 class LearnerGroup:
@@ -311,22 +381,59 @@ class LearnerGroup:
     def train_policy(
         self, per_rank: Sequence[list[PolicyBatch]], *, settings: PolicyLossSettings
     ) -> StepResult:
-        refs = [
-            w.train_policy.remote(micro_batches=mbs, settings=settings)
-            for w, mbs in zip(self.workers, per_rank, strict=True)
-        ]
-        return self._get(refs)[0]
+        return self._step("train_policy", per_rank, settings=settings)
 
     def train_value(self, per_rank: Sequence[list[ValueBatch]], *, clip_eps: float | None) -> StepResult:
+        return self._step("train_value", per_rank, clip_eps=clip_eps)
+
+    def train_sft(self, per_rank: Sequence[list[SFTBatch]]) -> StepResult:
+        return self._step("train_sft", per_rank)
+
+    def train_reward_model(self, per_rank: Sequence[list[PairBatch]]) -> StepResult:
+        return self._step("train_reward_model", per_rank)
+
+    def train_dpo(
+        self,
+        per_rank: Sequence[list[PairBatch]],
+        *,
+        loss: str,
+        beta: float,
+        label_smoothing: float,
+        nll_coef: float,
+    ) -> StepResult:
+        return self._step(
+            "train_dpo", per_rank, loss=loss, beta=beta, label_smoothing=label_smoothing, nll_coef=nll_coef
+        )
+
+    def train_kto(
+        self,
+        per_rank: Sequence[list[KTOBatch]],
+        *,
+        beta: float,
+        desirable_weight: float,
+        undesirable_weight: float,
+    ) -> StepResult:
+        return self._step(
+            "train_kto",
+            per_rank,
+            beta=beta,
+            desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight,
+        )
+
+    def _step(self, method: str, per_rank: Sequence[list[Any]], **kwargs: Any) -> StepResult:
+        """Rank ``r`` runs ``method`` on ``per_rank[r]``; every rank reports the same global result."""
         refs = [
-            w.train_value.remote(micro_batches=mbs, clip_eps=clip_eps)
+            getattr(w, method).remote(micro_batches=mbs, **kwargs)
             for w, mbs in zip(self.workers, per_rank, strict=True)
         ]
         return self._get(refs)[0]
 
-    def train_sft(self, per_rank: Sequence[list[SFTBatch]]) -> StepResult:
-        refs = [w.train_sft.remote(micro_batches=mbs) for w, mbs in zip(self.workers, per_rank, strict=True)]
-        return self._get(refs)[0]
+    def set_reward_normalization(self, *, mean: float, std: float) -> None:
+        self._get([w.set_reward_normalization.remote(mean=mean, std=std) for w in self.workers])
+
+    def export_adapter(self, *, directory: str) -> bool:
+        return bool(self._get([w.export_adapter.remote(directory=directory) for w in self.workers])[0])
 
     def start_weight_sync(
         self, *, transport: str, master_addr: str, master_port: int, world_size: int, timeout_s: float

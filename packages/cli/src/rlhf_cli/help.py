@@ -7,7 +7,7 @@ import typing
 from typing import Any
 
 from rlhf_cli.config.loading import iter_fields
-from rlhf_cli.config.ppo import DS_FIELDS_SET_ELSEWHERE
+from rlhf_cli.config.run import DS_FIELDS_SET_ELSEWHERE
 
 __all__ = ["render_help"]
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="RLHF / RL-for-LLMs training on Ray.")
 
 _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-PPO_OPTIONS = [
+COMMAND_OPTIONS = [
     ("--config FILE", "YAML file with the same tree; flags override it."),
     ("--print-config", "Print the resolved configuration as YAML (accepted by --config) and exit."),
     ("--dry-run", "Resolve the configuration, print the placement plan and memory estimate, and exit."),
@@ -56,40 +57,168 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-@app.command("ppo", context_settings=_RAW, add_help_option=False)
-def ppo(ctx: typer.Context) -> None:
-    """PPO / REINFORCE++ / GRPO / RLOO on Ray with vLLM rollouts (no model given: the built-in demo)."""
-    from rlhf_cli.config import ConfigError, PPOConfig, build_config, dump_yaml
+def _config_command(
+    ctx: typer.Context,
+    cls: type,
+    *,
+    execute: Callable[[Any], str],
+    dry_run: Callable[[Any], str] | None = None,
+) -> None:
+    """The shared front of every configured command: --help, --config + dotted flags, --print-config,
+    --dry-run, then ``execute(cfg)``; errors become one line and exit status 2."""
+    from rlhf_cli.config import ConfigError, build_config, dump_yaml
 
     opts, flags = _split_options(list(ctx.args))
     if opts["help"]:
         from rlhf_cli.help import render_help
 
+        options = [o for o in COMMAND_OPTIONS if dry_run is not None or o[0] != "--dry-run"]
         typer.echo(
-            render_help(
-                PPOConfig, command="rlhf ppo", description=PPOConfig.__doc__ or "", options=PPO_OPTIONS
-            ),
+            render_help(cls, command=f"rlhf {cls.command}", description=cls.__doc__ or "", options=options),
             nl=False,
         )
         return
     try:
-        cfg = build_config(PPOConfig, flags, config_file=opts["config"])
+        cfg = build_config(cls, flags, config_file=opts["config"])
         if opts["print_config"]:
             typer.echo(dump_yaml(cfg), nl=False)
             return
-        from rlhf_cli.recipes import ppo as recipe
-
         if opts["dry_run"]:
-            connect = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-            typer.echo(recipe.plan(cfg, connect=connect).render())
+            if dry_run is None:
+                _fail(f"rlhf {cls.command} has no --dry-run")
+            typer.echo(dry_run(cfg))
             return
-        result = recipe.run(cfg)
+        typer.echo(execute(cfg))
     except (ConfigError, ValueError, FileNotFoundError) as err:
         if _from_a_ray_worker(err):
             raise  # a failure inside an actor: its traceback is the useful part
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return
-    typer.echo(f"final model: {result.final_model}\ncurve: {result.run_dir / 'reward_curve.png'}")
+
+
+def _connect(cfg: Any) -> bool:
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def _recipe(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"rlhf_cli.recipes.{name}")
+
+
+def _trained(name: str) -> Callable[[Any], str]:
+    def execute(cfg: Any) -> str:
+        result = _recipe(name).run(cfg)
+        curve = "reward_curve.png" if name == "ppo" else "loss_curve.png"
+        lines = [f"final model: {result.final_model}", f"curve: {result.run_dir / curve}"]
+        if getattr(result, "adapter", None) is not None:
+            lines.insert(1, f"adapter: {result.adapter}")
+        return "\n".join(lines)
+
+    return execute
+
+
+def _plan(name: str) -> Callable[[Any], str]:
+    return lambda cfg: _recipe(name).plan(cfg, connect=_connect(cfg)).render()
+
+
+@app.command("ppo", context_settings=_RAW, add_help_option=False)
+def ppo(ctx: typer.Context) -> None:
+    """PPO / REINFORCE++ / GRPO / RLOO on Ray with vLLM rollouts (no model given: the built-in demo)."""
+    from rlhf_cli.config import PPOConfig
+
+    _config_command(ctx, PPOConfig, execute=_trained("ppo"), dry_run=_plan("ppo"))
+
+
+@app.command("sft", context_settings=_RAW, add_help_option=False)
+def sft(ctx: typer.Context) -> None:
+    """Supervised fine-tuning (loss on the responses; packing; LoRA) on Ray with DeepSpeed."""
+    from rlhf_cli.config import SFTConfig
+
+    _config_command(ctx, SFTConfig, execute=_trained("sft"), dry_run=_plan("sft"))
+
+
+@app.command("rm", context_settings=_RAW, add_help_option=False)
+def rm(ctx: typer.Context) -> None:
+    """Pairwise reward-model training on chosen/rejected data (saves its score normalisation)."""
+    from rlhf_cli.config import RMConfig
+
+    _config_command(ctx, RMConfig, execute=_trained("rm"), dry_run=_plan("rm"))
+
+
+@app.command("dpo", context_settings=_RAW, add_help_option=False)
+def dpo(ctx: typer.Context) -> None:
+    """DPO / IPO / cDPO against a frozen reference (--algo.loss, --ref.precompute)."""
+    from rlhf_cli.config import DPOConfig
+
+    _config_command(ctx, DPOConfig, execute=_trained("dpo"), dry_run=_plan("dpo"))
+
+
+@app.command("kto", context_settings=_RAW, add_help_option=False)
+def kto(ctx: typer.Context) -> None:
+    """KTO on unpaired desirable/undesirable examples."""
+    from rlhf_cli.config import KTOConfig
+
+    _config_command(ctx, KTOConfig, execute=_trained("kto"), dry_run=_plan("kto"))
+
+
+@app.command("serve-rm", context_settings=_RAW, add_help_option=False)
+def serve_rm(ctx: typer.Context) -> None:
+    """Serve a reward model over HTTP (POST /score, GET /health) for rlhf ppo --reward.remote_url."""
+    from rlhf_cli.config import ServeRMConfig
+
+    def execute(cfg: Any) -> str:
+        from rlhf_cli.serve_rm import RewardScorer, RewardServer, build_app, resolve_token
+
+        s = cfg.serve
+        scorer = RewardScorer(cfg.reward.pretrain, batch_size=s.batch_size, max_len=s.max_len)
+        token = resolve_token(s.token)
+        server = RewardServer(
+            build_app(scorer, token=token, max_body_bytes=s.max_body_bytes), host=s.host, port=s.port
+        )
+        auth = "bearer token required" if token else "no token"
+        typer.echo(f"serving {cfg.reward.pretrain} on {server.url}/score ({auth}); Ctrl-C stops", err=True)
+        server.run()
+        return "stopped"
+
+    def dry_run(cfg: Any) -> str:
+        from rlhf_learner.models import check_model_dir
+
+        check_model_dir(cfg.reward.pretrain, need_causal_lm=False)
+        return f"would serve {cfg.reward.pretrain} on http://{cfg.serve.host}:{cfg.serve.port}/score"
+
+    _config_command(ctx, ServeRMConfig, execute=execute, dry_run=dry_run)
+
+
+@app.command("lora-merge", context_settings=_RAW, add_help_option=False)
+def lora_merge(ctx: typer.Context) -> None:
+    """Merge a LoRA adapter into its base model: --base DIR --adapter DIR --out DIR."""
+    from rlhf_cli.config import LoraMergeConfig
+
+    def execute(cfg: Any) -> str:
+        from rlhf_learner import merge_adapter
+
+        return f"wrote {merge_adapter(cfg.base, cfg.adapter, cfg.out)}"
+
+    def dry_run(cfg: Any) -> str:
+        from rlhf_learner.lora import check_adapter_matches
+
+        check_adapter_matches(cfg.base, cfg.adapter)
+        return f"the adapter {cfg.adapter} matches {cfg.base}; would write {cfg.out}"
+
+    _config_command(ctx, LoraMergeConfig, execute=execute, dry_run=dry_run)
+
+
+@app.command("demo-data")
+def demo_data(
+    out: Annotated[Path, typer.Argument(help="Folder to write the JSONL files to.")],
+    seed: Annotated[int, typer.Option(help="Seed of the example order and the SFT answers.")] = 42,
+) -> None:
+    """Write the built-in task as data files: sft, preferences, kto and prompts (.jsonl)."""
+    from rlhf_cli import task
+
+    for kind in task.DATA_KINDS:
+        path = task.write_data(kind, out / f"{kind}.jsonl", seed=seed)
+        typer.echo(f"wrote {path} ({len(task.data_rows(kind, seed=seed))} rows)")
 
 
 @app.command("tiny-model")

@@ -6,13 +6,24 @@ prints it without starting anything heavy, and a plan that cannot fit is an erro
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.config import ConfigError, PPOConfig
+from rlhf_learner import StrategyOptions
 
-__all__ = ["ClusterResources", "GroupPlan", "Plan", "local_resources", "make_plan", "start_ray"]
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
+from rlhf_cli.config.run import RayConfig
+
+__all__ = [
+    "ClusterResources",
+    "GroupPlan",
+    "Plan",
+    "local_resources",
+    "make_offline_plan",
+    "make_plan",
+    "start_ray",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,14 +68,16 @@ class Plan:
         for g in self.groups:
             bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
             lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {g.note}")
-        lines.append(
-            f"weight sync: actor rank 0 -> {self.group('engines').processes} engine process(es) over {self.transport}"
-        )
+        if self.group("engines") is not None:
+            lines.append(
+                f"weight sync: actor rank 0 -> {self.group('engines').processes} engine process(es) "
+                f"over {self.transport}"
+            )
         lines += self.notes
         return "\n".join(lines)
 
 
-def local_resources(cfg: PPOConfig) -> ClusterResources:
+def local_resources(cfg: PPOConfig | OfflineConfig) -> ClusterResources:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -88,54 +101,113 @@ def _gib(n: float) -> float:
     return n / 2**30
 
 
+def _bundle(resources: ClusterResources, ray_cfg: RayConfig) -> dict[str, float]:
+    if resources.gpus > 0:
+        return {"GPU": ray_cfg.gpus_per_worker, "CPU": 1.0}
+    return {"CPU": ray_cfg.cpus_per_worker}
+
+
+def _learner_group(
+    name: str, world: int, *, trains: bool, num_params: int, ds: StrategyOptions, bundle: dict, note: str = ""
+) -> GroupPlan:
+    """A learner group's plan; memory: weights (+ fp32 gradients and Adam states when it trains),
+    divided over the ranks as its ZeRO stage shards them."""
+    bytes_w = 2 if ds.precision == "bf16" else 4
+    stage = ds.zero_stage
+    shard = lambda n, on: n / world if stage >= on else n  # noqa: E731
+    if trains:
+        weights, grads, adam = num_params * bytes_w, num_params * 4, num_params * 12  # fp32 master + moments
+        mem = shard(weights, 3) + shard(grads, 2) + shard(adam, 1)
+        note = note or f"ZeRO-{stage}, trains"
+    else:
+        mem = shard(num_params * bytes_w, 3)
+        note = note or "frozen"
+    return GroupPlan(name=name, processes=world, bundle=bundle, memory_gib=_gib(mem), note=note)
+
+
+def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig, what: str) -> None:
+    """Raise ConfigError naming the flags when the groups need more CPUs or GPUs than the cluster has."""
+    need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
+    need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)
+    if resources.gpus > 0 and need_gpu > resources.gpus:
+        raise ConfigError(
+            f"{what} need {need_gpu:g} GPUs ({ray_cfg.gpus_per_worker:g} each, --ray.gpus_per_worker); "
+            f"the cluster has {resources.gpus}"
+        )
+    if need_cpu > resources.cpus + 1e-9:
+        raise ConfigError(
+            f"{what} need {need_cpu:g} CPUs ({ray_cfg.cpus_per_worker:g} each, --ray.cpus_per_worker); "
+            f"the cluster has {resources.cpus:g}"
+        )
+
+
+def make_offline_plan(
+    cfg: OfflineConfig, resources: ClusterResources, *, num_params: int, with_ref: bool
+) -> Plan:
+    """The trained group (``model``) and, for dpo / kto, the frozen reference (``ref``)."""
+    bundle = _bundle(resources, cfg.ray)
+    groups = [
+        _learner_group(
+            "model", cfg.model.world_size, trains=True, num_params=num_params, ds=cfg.ds, bundle=bundle
+        )
+    ]
+    if with_ref:
+        ref = cfg.ref  # type: ignore[attr-defined]
+        note = "frozen, stopped after precomputing" if ref.precompute else "frozen"
+        frozen = replace(cfg.ds, zero_stage=0) if cfg.ds.zero_stage in (1, 2) else cfg.ds
+        groups.append(
+            _learner_group(
+                "ref",
+                ref.world_size,
+                trains=False,
+                num_params=num_params,
+                ds=frozen,
+                bundle=bundle,
+                note=note,
+            )
+        )
+    _check_fits(groups, resources, cfg.ray, "the learner groups")
+    return Plan(
+        device="cuda" if resources.gpus > 0 else "cpu",
+        groups=groups,
+        transport="none",
+        resources=resources,
+        num_params=num_params,
+    )
+
+
 def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -> Plan:
     """Processes, bundles and memory per group; raises ConfigError naming the flag when it cannot fit."""
     gpu = resources.gpus > 0
-    per = {"GPU": cfg.ray.gpus_per_worker, "CPU": 1.0} if gpu else {"CPU": cfg.ray.cpus_per_worker}
+    per = _bundle(resources, cfg.ray)
     bytes_w = 2 if cfg.ds.precision == "bf16" else 4
-    stage = cfg.ds.zero_stage
-
-    def train_mem(world: int) -> float:
-        weights, grads, adam = num_params * bytes_w, num_params * 4, num_params * 12  # fp32 master + moments
-        shard = lambda n, on: n / world if stage >= on else n  # noqa: E731
-        return _gib(shard(weights, 3) + shard(grads, 2) + shard(adam, 1))
-
+    frozen_ds = replace(cfg.ds, zero_stage=0) if cfg.ds.zero_stage in (1, 2) else cfg.ds
     groups = [
-        GroupPlan(
-            name="actor",
-            processes=cfg.actor.world_size,
-            bundle=per,
-            memory_gib=train_mem(cfg.actor.world_size),
-            note=f"ZeRO-{stage}, trains",
+        _learner_group(
+            "actor", cfg.actor.world_size, trains=True, num_params=num_params, ds=cfg.ds, bundle=per
         )
     ]
     if cfg.uses_critic:
         groups.append(
-            GroupPlan(
-                name="critic",
-                processes=cfg.critic.world_size,
-                bundle=per,
-                memory_gib=train_mem(cfg.critic.world_size),
-                note=f"ZeRO-{stage}, trains",
+            _learner_group(
+                "critic", cfg.critic.world_size, trains=True, num_params=num_params, ds=cfg.ds, bundle=per
             )
         )
     if cfg.uses_reference:
         groups.append(
-            GroupPlan(
-                name="ref",
-                processes=cfg.ref.world_size,
-                bundle=per,
-                memory_gib=_gib(num_params * bytes_w / (cfg.ref.world_size if stage == 3 else 1)),
-                note="frozen",
+            _learner_group(
+                "ref", cfg.ref.world_size, trains=False, num_params=num_params, ds=frozen_ds, bundle=per
             )
         )
     if cfg.reward.source == "model":
         groups.append(
-            GroupPlan(
-                name="reward",
-                processes=cfg.reward.world_size,
+            _learner_group(
+                "reward",
+                cfg.reward.world_size,
+                trains=False,
+                num_params=num_params,
+                ds=frozen_ds,
                 bundle=per,
-                memory_gib=_gib(num_params * bytes_w),
                 note="frozen reward model",
             )
         )
@@ -150,19 +222,13 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
             note=f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {cfg.vllm.tensor_parallel_size}",
         )
     )
-    need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
-    need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)
-    if gpu and need_gpu > resources.gpus:
-        raise ConfigError(
-            f"--vllm.num_engines {cfg.vllm.num_engines} x --vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size} "
-            f"engines plus the learner groups need {need_gpu:g} GPUs ({cfg.ray.gpus_per_worker:g} each, "
-            f"--ray.gpus_per_worker); the cluster has {resources.gpus}"
-        )
-    if need_cpu > resources.cpus + 1e-9:
-        raise ConfigError(
-            f"--vllm.num_engines {cfg.vllm.num_engines} engine(s) and the learner groups need {need_cpu:g} CPUs "
-            f"({cfg.ray.cpus_per_worker:g} each, --ray.cpus_per_worker); the cluster has {resources.cpus:g}"
-        )
+    _check_fits(
+        groups,
+        resources,
+        cfg.ray,
+        f"--vllm.num_engines {cfg.vllm.num_engines} x --vllm.tensor_parallel_size "
+        f"{cfg.vllm.tensor_parallel_size} engine process(es) and the learner groups",
+    )
     transport = cfg.weightsync.transport
     if transport == "auto":
         one_host = len(set(resources.node_ips)) <= 1
@@ -189,7 +255,7 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
     )
 
 
-def start_ray(cfg: PPOConfig) -> tuple[ClusterResources, bool]:
+def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
     """Join ``--ray.address`` / ``RAY_ADDRESS``, or start a local cluster on 127.0.0.1 (an already
     initialised Ray in this process is used as it is). Returns the resources and whether this call
     started Ray (so the recipe knows to stop it)."""

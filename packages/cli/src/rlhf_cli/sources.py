@@ -3,6 +3,7 @@ reward model, or an agent file (single-turn reward_func or multi-turn make_env).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from rlhf_rollout.rewards import import_python_file
 
 from rlhf_cli import task
 from rlhf_cli.config import PPOConfig
+from rlhf_cli.config.models import REWARD_TOKEN_ENV
 
 __all__ = ["ExecutorFactory", "executor_factory", "load_agent_file"]
 
@@ -45,7 +47,9 @@ def _reward_source(cfg: PPOConfig) -> Any:
             raise ValueError(f"--reward.func: {err}") from None
     if cfg.reward.remote_url:
         try:
-            return RemoteReward(cfg.reward.remote_url, timeout_s=cfg.reward.timeout_s)
+            token = os.environ.get(REWARD_TOKEN_ENV)
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            return RemoteReward(cfg.reward.remote_url, timeout_s=cfg.reward.timeout_s, headers=headers)
         except ValueError as err:
             raise ValueError(f"--reward.remote_url: {err}") from None
     return None  # a reward model group scores the samples, or the environment rewards them

@@ -14,13 +14,16 @@ from typing import Any
 from rlhf_cli.data import PromptRecord
 
 __all__ = [
+    "DATA_KINDS",
     "TASK_NAME",
     "answer",
     "build_demo_model",
+    "data_rows",
     "demo_num_params",
     "records",
     "reward_func",
     "warmup_records",
+    "write_data",
 ]
 
 TASK_NAME = "larger-digit"
@@ -47,7 +50,7 @@ def warmup_records(*, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     out = []
     for r in records(seed=seed):
-        a, b = (int(x) for x in str(r.prompt).split()[1:3])
+        a, b = _digits(str(r.prompt))
         out.append((str(r.prompt), f" {rng.choice((a, b))}"))
     return out
 
@@ -59,6 +62,53 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any], **_: 
         m = _DIGIT.search(q[len(p) :])
         rewards.append(1.0 if m is not None and m.group() == str(label) else 0.0)
     return {"rewards": rewards, "scores": rewards}
+
+
+def _digits(prompt: str) -> tuple[int, int]:
+    a, b = (int(x) for x in prompt.split()[1:3])
+    return a, b
+
+
+def data_rows(kind: str, *, seed: int) -> list[dict]:
+    """The task as training data in the offline commands' default formats:
+
+    - ``sft``: ``{"prompt", "response"}``, the response a digit from the prompt, right or not (the format);
+    - ``preferences``: ``{"prompt", "chosen", "rejected"}``, the larger digit preferred to the smaller;
+    - ``kto``: ``{"prompt", "completion", "label"}``, each prompt once with its right answer (desirable)
+      and once with the wrong one;
+    - ``prompts``: ``{"input", "label"}`` for ``rlhf ppo --data.path``.
+    """
+    recs = records(seed=seed)
+    if kind == "sft":
+        return [{"prompt": p, "response": r} for p, r in warmup_records(seed=seed)]
+    if kind == "preferences":
+        out = []
+        for r in recs:
+            a, b = _digits(str(r.prompt))
+            out.append({"prompt": r.prompt, "chosen": f" {max(a, b)}", "rejected": f" {min(a, b)}"})
+        return out
+    if kind == "kto":
+        out = []
+        for r in recs:
+            a, b = _digits(str(r.prompt))
+            out.append({"prompt": r.prompt, "completion": f" {max(a, b)}", "label": True})
+            out.append({"prompt": r.prompt, "completion": f" {min(a, b)}", "label": False})
+        return out
+    if kind == "prompts":
+        return [{"input": r.prompt, "label": r.label} for r in recs]
+    raise ValueError(f"unknown data kind {kind!r}; expected one of {DATA_KINDS}")
+
+
+DATA_KINDS = ("sft", "preferences", "kto", "prompts")
+
+
+def write_data(kind: str, path: Path, *, seed: int) -> Path:
+    """``data_rows(kind)`` as a JSONL file at ``path``."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in data_rows(kind, seed=seed)))
+    return path
 
 
 DEMO_MODEL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256}

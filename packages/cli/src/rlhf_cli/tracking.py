@@ -6,18 +6,58 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracker"]
+__all__ = ["PPO_DISPLAY", "Display", "Tracker"]
 
-_SHOWN = (
-    ("reward", "rollout/reward_mean", "{:.3f}"),
-    ("kl", "policy/kl", "{:.4f}"),
-    ("resp len", "rollout/response_length", "{:.1f}"),
-    ("eval pass", "eval/pass_rate", "{:.2f}"),
+
+@dataclass(frozen=True, kw_only=True)
+class Display:
+    """What a command's progress line, curve and summary table show."""
+
+    name: str
+    """The command (progress label and titles)."""
+    shown: tuple[tuple[str, str, str], ...]
+    """Progress line: ``(label, metric, format)``."""
+    curves: dict[str, tuple[str, dict]]
+    """Curve PNG: ``metric -> (legend label, matplotlib style)``."""
+    curve_file: str
+    summary_keys: tuple[str, ...]
+    time_split: tuple[str, ...] = ()
+    """``time/<name>`` metrics shown after the progress line."""
+    lower_is_better: tuple[str, ...] = field(default=("loss", "mismatch", "time", "nll"))
+    """Substrings of metric names whose best value is the smallest."""
+
+
+PPO_DISPLAY = Display(
+    name="ppo",
+    shown=(
+        ("reward", "rollout/reward_mean", "{:.3f}"),
+        ("kl", "policy/kl", "{:.4f}"),
+        ("resp len", "rollout/response_length", "{:.1f}"),
+        ("eval pass", "eval/pass_rate", "{:.2f}"),
+    ),
+    curves={  # eval reward and pass rate coincide for 0/1 rewards: both stay visible
+        "rollout/reward_mean": ("train reward (mean)", {"alpha": 0.6}),
+        "eval/pass_rate": ("eval pass rate", {"marker": "o", "linewidth": 2.5}),
+        "eval/reward_mean": ("eval reward (mean)", {"marker": "x", "linestyle": "--"}),
+    },
+    curve_file="reward_curve.png",
+    summary_keys=(
+        "rollout/reward_mean",
+        "eval/pass_rate",
+        "eval/reward_mean",
+        "policy/kl",
+        "rollout/response_length",
+        "actor/loss",
+        "critic/value_loss",
+        "sync/logp_mismatch_mean",
+        "time/step",
+    ),
+    time_split=("generation", "reward", "reference", "learner", "sync"),
 )
-_TIME_SPLIT = ("generation", "reward", "reference", "learner", "sync")
 
 
 class Tracker:
@@ -34,7 +74,9 @@ class Tracker:
         total_steps: int,
         config: dict,
         resume_step: int = 0,
+        display: Display = PPO_DISPLAY,
     ) -> None:
+        self.display = display
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -60,7 +102,7 @@ class Tracker:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("[bold]ppo"),
+                TextColumn(f"[bold]{display.name}"),
                 BarColumn(),
                 TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn(),
@@ -89,16 +131,18 @@ class Tracker:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=step)
-        if self._progress is not None and "rollout/reward_mean" in metrics:
+        if self._progress is not None and any(key in metrics for _, key, _ in self.display.shown):
             self._progress.update(self._task, completed=step, description=self._line(record))
 
     def _line(self, record: dict) -> str:
-        parts = [f"{label} {fmt.format(record[key])}" for label, key, fmt in _SHOWN if key in record]
-        times = [f"{k[:3]} {record['time/' + k]:.1f}s" for k in _TIME_SPLIT if "time/" + k in record]
+        shown = self.display.shown
+        parts = [f"{label} {fmt.format(record[key])}" for label, key, fmt in shown if key in record]
+        split = self.display.time_split
+        times = [f"{k[:3]} {record['time/' + k]:.1f}s" for k in split if "time/" + k in record]
         return "  ".join(parts) + ("  |  " + " ".join(times) if times else "")
 
     def close(self) -> str:
-        """Stop the sinks, draw ``reward_curve.png`` and return the summary table as text."""
+        """Stop the sinks, draw the curve PNG and return the summary table as text."""
         if self._progress is not None:
             self._progress.stop()
         if self.tb is not None:
@@ -118,20 +162,15 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        styles = {  # eval reward and pass rate coincide for 0/1 rewards: both stay visible
-            "rollout/reward_mean": ("train reward (mean)", {"alpha": 0.6}),
-            "eval/pass_rate": ("eval pass rate", {"marker": "o", "linewidth": 2.5}),
-            "eval/reward_mean": ("eval reward (mean)", {"marker": "x", "linestyle": "--"}),
-        }
-        for key, (label, style) in styles.items():
+        for key, (label, style) in self.display.curves.items():
             pts = self.series(key)
             if pts:
                 ax.plot([s for s, _ in pts], [v for _, v in pts], label=label, **style)
         ax.set_xlabel("step")
-        ax.set_title("rlhf ppo")
+        ax.set_title(f"rlhf {self.display.name}")
         ax.grid(alpha=0.3)
         ax.legend()
-        out = self.run_dir / "reward_curve.png"
+        out = self.run_dir / self.display.curve_file
         fig.tight_layout()
         fig.savefig(out, dpi=100)
         plt.close(fig)
@@ -141,25 +180,16 @@ class Tracker:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"rlhf ppo summary ({self.run_dir})")
+        table = Table(title=f"rlhf {self.display.name} summary ({self.run_dir})")
         for col in ("metric", "first", "last", "best"):
             table.add_column(col, justify="right" if col != "metric" else "left")
-        keys = [
-            "rollout/reward_mean",
-            "eval/pass_rate",
-            "eval/reward_mean",
-            "policy/kl",
-            "rollout/response_length",
-            "actor/loss",
-            "critic/value_loss",
-            "sync/logp_mismatch_mean",
-            "time/step",
-        ]
+        keys = self.display.summary_keys
         for key in keys:
             pts = self.series(key)
             if pts:
                 vals = [v for _, v in pts]
-                best = min(vals) if "loss" in key or "mismatch" in key or "time" in key else max(vals)
+                low = any(part in key for part in self.display.lower_is_better)
+                best = min(vals) if low else max(vals)
                 table.add_row(key, f"{vals[0]:.4f}", f"{vals[-1]:.4f}", f"{best:.4f}")
         console = Console(record=True, width=100)
         console.print(table)

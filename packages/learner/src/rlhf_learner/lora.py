@@ -15,6 +15,7 @@ from torch import nn
 __all__ = [
     "LoraOptions",
     "apply_lora",
+    "check_adapter_matches",
     "load_qlora_base",
     "merge_adapter",
     "merged_state_dict",
@@ -73,15 +74,61 @@ def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for p, what in ((base_dir, "base model"), (adapter_dir, "adapter")):
-        if not Path(p).is_dir():
-            raise ValueError(f"{what} folder {str(p)!r} does not exist")
+    check_adapter_matches(base_dir, adapter_dir)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir), safe_serialization=True)
     with contextlib.suppress(OSError, ValueError):  # a base folder without a tokenizer is fine
         AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path) -> None:
+    """Raise a one-line ValueError unless every adapted module of ``adapter_dir`` exists in the base
+    model of ``base_dir`` with the shapes the adapter was trained on (read from the configs and the
+    adapter file; the base's weights are not loaded)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
+    for p, what in ((base_dir, "base model"), (adapter_dir, "adapter")):
+        if not p.is_dir():
+            raise ValueError(f"{what} folder {str(p)!r} does not exist")
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ValueError(
+            f"adapter folder {str(adapter_dir)!r} has no adapter_config.json (not a peft adapter)"
+        )
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"adapter folder {str(adapter_dir)!r} has no adapter_model.safetensors")
+    peft_type = json.loads((adapter_dir / "adapter_config.json").read_text()).get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"adapter {str(adapter_dir)!r} is a {peft_type} adapter, not LoRA")
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_dir)))
+    modules = dict(base.named_modules())
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if ".lora_A." not in key and ".lora_B." not in key:
+                continue
+            name = key.removeprefix("base_model.model.").split(".lora_")[0]
+            mod = modules.get(name)
+            shape = tuple(f.get_slice(key).get_shape())
+            if mod is None or not hasattr(mod, "in_features"):
+                raise ValueError(
+                    f"adapter {str(adapter_dir)!r} adapts {name!r}, which the base model {str(base_dir)!r} "
+                    "does not have as a linear layer: it was trained on another base"
+                )
+            want = mod.in_features if ".lora_A." in key else mod.out_features
+            got = shape[1] if ".lora_A." in key else shape[0]
+            if got != want:
+                raise ValueError(
+                    f"adapter {str(adapter_dir)!r} tensor {key} has shape {list(shape)}, but {name} in the base "
+                    f"model {str(base_dir)!r} has {want} {'inputs' if '.lora_A.' in key else 'outputs'}: it was "
+                    "trained on another base"
+                )
 
 
 def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:

@@ -9,7 +9,10 @@ from rlhf_learner import LoraOptions, ModelOptions
 
 from rlhf_cli.config._base import Section
 
-__all__ = ["ActorConfig", "CriticConfig", "GroupShape", "RefConfig", "RewardConfig"]
+__all__ = ["REWARD_TOKEN_ENV", "ActorConfig", "CriticConfig", "GroupShape", "RefConfig", "RewardConfig"]
+
+REWARD_TOKEN_ENV = "RLHF_REWARD_TOKEN"
+"""Bearer token: sent to --reward.remote_url servers when set, and checked by rlhf serve-rm."""
 
 
 class GroupShape(Section):
@@ -58,7 +61,8 @@ class RewardConfig(GroupShape):
     pretrain: str | None = None
     """A reward-model folder (*ForSequenceClassification, one label), run as its own Ray group."""
     remote_url: list[str] = Field(default_factory=list)
-    """HTTP reward endpoint(s); repeat the flag or give a comma-separated list."""
+    """HTTP reward endpoint(s); repeat the flag or give a comma-separated list. A bearer token in
+    RLHF_REWARD_TOKEN is sent along."""
     timeout_s: float = Field(60.0, gt=0)
     """Timeout of each request to a remote reward endpoint."""
 

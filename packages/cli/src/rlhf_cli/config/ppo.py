@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 from rlhf_algos import ADVANTAGE_ESTIMATORS
@@ -12,21 +12,23 @@ from rlhf_cli.config._base import Section
 from rlhf_cli.config.algo import AlgoConfig
 from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig
 from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
-from rlhf_cli.config.run import CkptConfig, DataConfig, EvalConfig, LoggerConfig, RayConfig, TrainConfig
+from rlhf_cli.config.run import (
+    CkptConfig,
+    DataConfig,
+    EvalConfig,
+    LoggerConfig,
+    RayConfig,
+    TrainConfig,
+    check_ds_fields,
+)
 
-__all__ = ["DS_FIELDS_SET_ELSEWHERE", "PPOConfig"]
-
-DS_FIELDS_SET_ELSEWHERE = {
-    "lr": "--actor.lr / --critic.lr",
-    "micro_batch_size": "--train.micro_batch_size",
-    "grad_accum_steps": "--train.micro_batch_size (derived from the batch)",
-    "seed": "--train.seed",
-}
-"""StrategyOptions fields that each group takes from another flag; setting them under --ds is an error."""
+__all__ = ["PPOConfig"]
 
 
 class PPOConfig(Section):
     """``rlhf ppo``: PPO-family RL on Ray with rollout engines, learner groups and weight sync."""
+
+    command: ClassVar[str] = "ppo"
 
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -90,10 +92,7 @@ class PPOConfig(Section):
             )
         if not est.uses_critic and self.critic.enable:
             raise ValueError(f"--critic.enable: the estimator {est.name} uses no critic (only gae does)")
-        default = StrategyOptions()
-        for f in fields(StrategyOptions):
-            if f.name in DS_FIELDS_SET_ELSEWHERE and getattr(self.ds, f.name) != getattr(default, f.name):
-                raise ValueError(f"--ds.{f.name}: set it with {DS_FIELDS_SET_ELSEWHERE[f.name]}")
+        check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
         ranks = self.actor.world_size
         per_rank, rest = divmod(self.samples_per_step, ranks)
         if rest:

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from pydantic import Field
+from rlhf_learner import StrategyOptions
 
 from rlhf_cli.config._base import Section
 
-__all__ = ["CkptConfig", "DataConfig", "EvalConfig", "LoggerConfig", "RayConfig", "TrainConfig"]
+__all__ = [
+    "DS_FIELDS_SET_ELSEWHERE",
+    "CkptConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LoggerConfig",
+    "RayConfig",
+    "TrainConfig",
+    "check_ds_fields",
+]
+
+DS_FIELDS_SET_ELSEWHERE = {
+    "lr": "the group's --*.lr flag",
+    "micro_batch_size": "--train.micro_batch_size",
+    "grad_accum_steps": "--train.micro_batch_size (derived from the batch)",
+    "seed": "--train.seed",
+}
+"""StrategyOptions fields that each group takes from another flag; setting them under --ds is an error."""
+
+
+def check_ds_fields(ds: StrategyOptions, overrides: dict[str, str]) -> None:
+    """Raise when ``--ds`` sets a field another flag owns (``overrides`` names the command's own flags)."""
+    default = StrategyOptions()
+    where = DS_FIELDS_SET_ELSEWHERE | overrides
+    for f in fields(StrategyOptions):
+        if f.name in where and getattr(ds, f.name) != getattr(default, f.name):
+            raise ValueError(f"--ds.{f.name}: set it with {where[f.name]}")
 
 
 class TrainConfig(Section):

@@ -1,0 +1,292 @@
+"""Configuration trees of the offline commands: ``rlhf sft``, ``rm``, ``dpo``, ``kto`` (training on a
+fixed data set, one trained group plus an optional frozen reference), ``serve-rm`` and ``lora-merge``.
+They share ``--ds``, ``--ckpt``, ``--logger`` and ``--ray`` with ``rlhf ppo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field, model_validator
+from rlhf_algos.preference import DPOVariant
+from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
+
+from rlhf_cli.config._base import Section
+from rlhf_cli.config.models import GroupShape, RefConfig
+from rlhf_cli.config.run import CkptConfig, LoggerConfig, RayConfig, check_ds_fields
+
+__all__ = [
+    "DPOConfig",
+    "KTOConfig",
+    "LoraMergeConfig",
+    "OfflineConfig",
+    "RMConfig",
+    "SFTConfig",
+    "ServeRMConfig",
+]
+
+
+class ModelConfig(GroupShape):
+    pretrain: str | None = None
+    """Hugging Face folder to start from; unset: the built-in tiny model (built offline)."""
+    lr: float = Field(1e-3, gt=0)
+    """Learning rate (the built-in tiny model wants a large one; around 1e-5 suits real LLMs)."""
+    options: ModelOptions = Field(default_factory=ModelOptions)
+    """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
+
+
+class PreferenceRefConfig(RefConfig):
+    precompute: bool = False
+    """Score every example with the reference once before training, then stop its group (frees it)."""
+
+
+class ExampleData(Section):
+    path: Path | None = None
+    """A JSONL file or a local datasets folder; unset: the built-in task's examples."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt (text, or chat messages)."""
+    apply_chat_template: bool = False
+    """Render text prompts with the tokenizer's chat template."""
+    max_len: int = Field(512, ge=2)
+    """Longest example in tokens (prompt + response); longer ones are skipped."""
+    max_samples: int | None = Field(None, ge=1)
+    """Use at most this many examples."""
+
+
+class SFTData(ExampleData):
+    response_key: str = "response"
+    """Field holding the target response text."""
+    messages_key: str = "messages"
+    """Field holding a whole conversation (used when a row has no response field; the last message is the target)."""
+    train_on_prompt: bool = False
+    """Also train on the prompt tokens (default: the loss is on the response only)."""
+
+
+class PairData(ExampleData):
+    chosen_key: str = "chosen"
+    """Field holding the preferred response (text, or a whole conversation)."""
+    rejected_key: str = "rejected"
+    """Field holding the dispreferred response."""
+
+
+class KTOData(ExampleData):
+    completion_key: str = "completion"
+    """Field holding the response."""
+    label_key: str = "label"
+    """Field holding true (desirable) or false (undesirable)."""
+
+
+class OfflineTrain(Section):
+    num_epochs: int = Field(1, ge=1)
+    """Passes over the training examples."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (e.g. a short trial run); unset: num_epochs passes."""
+    batch_size: int = Field(32, ge=1)
+    """Examples (pairs for rm and dpo) per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Examples per forward/backward on each rank (the rest is gradient accumulation)."""
+    seed: int = 42
+    """Seed of data order, held-out split and model initialisation."""
+
+
+class PackedTrain(OfflineTrain):
+    packing: bool = True
+    """Pack each micro-batch's examples into one row without padding (position ids restart per example)."""
+
+
+class OfflineEval(Section):
+    path: Path | None = None
+    """Evaluation examples (same format as data.path); unset: a held-out split of the training data."""
+    split: float = Field(0.1, ge=0, lt=1)
+    """Fraction of the training examples held out for evaluation when eval.path is unset (0: none)."""
+    every: int = Field(10, ge=0)
+    """Evaluate every N steps, and before the first and after the last; 0: never."""
+    max_samples: int | None = Field(256, ge=1)
+    """Evaluate on at most this many examples."""
+
+
+class DPOAlgo(Section):
+    loss: DPOVariant = "dpo"
+    """dpo (Rafailov et al.), ipo (Azar et al.) or cdpo (conservative DPO, with label_smoothing)."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the KL constraint to the reference (IPO: its regularisation)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """cdpo only: the assumed probability that a preference label is flipped."""
+    nll_coef: float = Field(0.0, ge=0)
+    """Add this times the chosen responses' per-token NLL (RPO-style regulariser)."""
+
+    @model_validator(mode="after")
+    def _smoothing(self) -> DPOAlgo:
+        if self.label_smoothing and self.loss != "cdpo":
+            raise ValueError(f"label_smoothing: used by --algo.loss cdpo only, not {self.loss}")
+        return self
+
+
+class KTOAlgo(Section):
+    beta: float = Field(0.1, gt=0)
+    """Strength of the KL constraint to the reference."""
+    desirable_weight: float = Field(1.0, gt=0)
+    """Weight of desirable examples (lambda_D)."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """Weight of undesirable examples (lambda_U)."""
+
+
+class OfflineConfig(Section):
+    """What every offline training command shares."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    ds: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
+    """DeepSpeed options of the trained group (and the frozen reference)."""
+    train: OfflineTrain = Field(default_factory=OfflineTrain)
+    eval: OfflineEval = Field(default_factory=OfflineEval)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    command: ClassVar[str] = "offline"
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.batch_size // self.model.world_size // self.train.micro_batch_size
+
+    @model_validator(mode="after")
+    def _shared_checks(self) -> OfflineConfig:
+        check_ds_fields(self.ds, {"lr": "--model.lr"})
+        ranks = self.model.world_size
+        per_rank, rest = divmod(self.train.batch_size, ranks)
+        if rest:
+            raise ValueError(
+                f"--train.batch_size {self.train.batch_size} cannot be split evenly over {ranks} "
+                "data-parallel ranks (--model.num_nodes x --model.num_devices_per_node)"
+            )
+        if per_rank % self.train.micro_batch_size:
+            raise ValueError(
+                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the {per_rank} "
+                f"examples each of the {ranks} ranks trains on per step"
+            )
+        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
+            raise ValueError(
+                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by this command yet"
+            )
+        lora = getattr(self, "lora", None)
+        if lora is not None and self.ds.zero_stage == 3:
+            raise ValueError("--lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        return self
+
+
+class SFTLogger(LoggerConfig):
+    run_dir: Path = Path("runs/sft")
+    """Run folder: metrics.jsonl, TensorBoard logs, the loss curve, checkpoints and the final model."""
+
+
+class RMLogger(LoggerConfig):
+    run_dir: Path = Path("runs/rm")
+    """Run folder: metrics.jsonl, TensorBoard logs, the loss curve, checkpoints and the final model."""
+
+
+class DPOLogger(LoggerConfig):
+    run_dir: Path = Path("runs/dpo")
+    """Run folder: metrics.jsonl, TensorBoard logs, the loss curve, checkpoints and the final model."""
+
+
+class KTOLogger(LoggerConfig):
+    run_dir: Path = Path("runs/kto")
+    """Run folder: metrics.jsonl, TensorBoard logs, the loss curve, checkpoints and the final model."""
+
+
+class SFTConfig(OfflineConfig):
+    """``rlhf sft``: supervised fine-tuning on prompt/response pairs or conversations (loss on the responses)."""
+
+    data: SFTData = Field(default_factory=SFTData)
+    train: PackedTrain = Field(default_factory=PackedTrain)
+    lora: LoraOptions | None = None
+    """LoRA adapters (set any field, e.g. --lora.rank 8, to switch it on); the adapter is saved too."""
+    logger: SFTLogger = Field(default_factory=SFTLogger)
+    command: ClassVar[str] = "sft"
+
+
+class RMConfig(OfflineConfig):
+    """``rlhf rm``: a pairwise (Bradley-Terry) reward model on chosen/rejected data; the saved model carries
+    its score normalisation (mean and std over the training responses)."""
+
+    data: PairData = Field(default_factory=PairData)
+    logger: RMLogger = Field(default_factory=RMLogger)
+    command: ClassVar[str] = "rm"
+
+
+class _WithReference(OfflineConfig):
+    ref: PreferenceRefConfig = Field(default_factory=PreferenceRefConfig)
+    """The frozen reference policy (its own Ray group)."""
+    lora: LoraOptions | None = None
+    """LoRA adapters on the trained policy (set any field, e.g. --lora.rank 8, to switch it on)."""
+
+
+class DPOConfig(_WithReference):
+    """``rlhf dpo``: direct preference optimisation (DPO, IPO or cDPO) against a frozen reference."""
+
+    data: PairData = Field(default_factory=PairData)
+    algo: DPOAlgo = Field(default_factory=DPOAlgo)
+    logger: DPOLogger = Field(default_factory=DPOLogger)
+    command: ClassVar[str] = "dpo"
+
+
+class KTOConfig(_WithReference):
+    """``rlhf kto``: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
+
+    data: KTOData = Field(default_factory=KTOData)
+    algo: KTOAlgo = Field(default_factory=KTOAlgo)
+    logger: KTOLogger = Field(default_factory=KTOLogger)
+    command: ClassVar[str] = "kto"
+
+
+class ServeOptions(Section):
+    host: str = "127.0.0.1"
+    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it, set a token then)."""
+    port: int = Field(8600, ge=0, le=65535)
+    """Port to listen on (0: any free port, printed at start-up)."""
+    token: str | None = None
+    """Bearer token every request must carry (also read from RLHF_REWARD_TOKEN); unset: none."""
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    """Largest request body accepted; larger ones get HTTP 413."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    max_len: int = Field(2048, ge=2)
+    """Longest sequence scored (tokens); longer ones are cut to their last max_len tokens."""
+
+
+class ServedModel(Section):
+    pretrain: str | None = None
+    """The reward-model folder to serve (what rlhf rm writes to its final_model)."""
+
+
+class ServeRMConfig(Section):
+    """``rlhf serve-rm``: score query + response texts (or token ids) with a reward model over HTTP."""
+
+    reward: ServedModel = Field(default_factory=ServedModel)
+    serve: ServeOptions = Field(default_factory=ServeOptions)
+    command: ClassVar[str] = "serve-rm"
+
+    @model_validator(mode="after")
+    def _model_given(self) -> ServeRMConfig:
+        if self.reward.pretrain is None:
+            raise ValueError("--reward.pretrain: give the reward-model folder to serve")
+        return self
+
+
+class LoraMergeConfig(Section):
+    """``rlhf lora-merge``: fold a LoRA adapter into its base model and write a plain Hugging Face folder."""
+
+    base: str | None = None
+    """The base model folder the adapter was trained on."""
+    adapter: str | None = None
+    """The adapter folder (adapter_config.json + adapter weights), e.g. an SFT run's final_adapter."""
+    out: Path | None = None
+    """Folder to write the merged model and the base's tokenizer to."""
+    command: ClassVar[str] = "lora-merge"
+
+    @model_validator(mode="after")
+    def _given(self) -> LoraMergeConfig:
+        for name in ("base", "adapter", "out"):
+            if getattr(self, name) is None:
+                raise ValueError(f"--{name}: required")
+        return self

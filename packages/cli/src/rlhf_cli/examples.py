@@ -1,0 +1,311 @@
+"""Training examples of the offline commands (``sft``, ``rm``, ``dpo``, ``kto``): read from a JSONL file
+or a local ``datasets`` folder, tokenised once, served in a seeded order a checkpoint can resume.
+
+Formats (key names are flags):
+
+- SFT: ``{"prompt": ..., "response": ...}``, or ``{"messages": [...]}`` (the chat template; the last
+  message is the response).
+- Preferences (``rm``, ``dpo``): ``{"prompt": ..., "chosen": ..., "rejected": ...}``; ``chosen`` /
+  ``rejected`` are response texts, or whole conversations (message lists) without ``prompt``.
+- KTO: ``{"prompt": ..., "completion": ..., "label": true|false}`` (desirable or not).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from rlhf_cli.data import PromptCursor, encode_prompt, read_rows, seeded_order
+
+__all__ = [
+    "Example",
+    "ExampleSet",
+    "KTOExample",
+    "PreferencePair",
+    "encode_example",
+    "load_kto",
+    "load_pairs",
+    "load_sft",
+    "split_heldout",
+]
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    """One tokenised prompt + response."""
+
+    token_ids: torch.Tensor
+    """``[T]`` prompt then response (ending with EOS)."""
+    loss_mask: torch.Tensor
+    """``[T]`` True on the tokens trained on: the response (or every token after the first)."""
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferencePair:
+    chosen: Example
+    rejected: Example
+    ref_logp: tuple[float, float] | None = None
+    """The reference's summed response log-probs of (chosen, rejected), once computed."""
+
+    @property
+    def sequences(self) -> tuple[Example, Example]:
+        return self.chosen, self.rejected
+
+
+@dataclass(frozen=True, kw_only=True)
+class KTOExample:
+    example: Example
+    desirable: bool
+    mismatched: Example
+    """This prompt with another example's response: the KL reference point's sample."""
+    ref_logp: tuple[float, float] | None = None
+    """The reference's summed response log-probs of (example, mismatched), once computed."""
+
+    @property
+    def sequences(self) -> tuple[Example, Example]:
+        return self.example, self.mismatched
+
+
+class _Source:
+    """Where a row came from, for error messages: ``file, line N`` or ``folder, row N``."""
+
+    def __init__(self, path: Path, where: str, number: int) -> None:
+        self.text = f"{path}, {where} {number}"
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.text}: {message}")
+
+
+def _messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def encode_example(
+    prompt: str | list[dict] | None,
+    response: str | list[dict],
+    tokenizer: Any,
+    *,
+    apply_chat_template: bool,
+    train_on_prompt: bool = False,
+) -> Example:
+    """Token ids and loss mask of a prompt and its response.
+
+    Text: the prompt as :func:`rlhf_cli.data.encode_prompt` renders it, then the response's tokens and
+    EOS. A conversation (``response`` a message list; ``prompt`` None or its leading messages): the
+    chat template of the whole conversation, the response being the final assistant message."""
+    if _messages(response):
+        messages = (list(prompt) if isinstance(prompt, list) else []) + list(response)
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}, *messages]
+        if len(messages) < 2 or messages[-1].get("role") != "assistant":
+            raise ValueError("a conversation must end with an assistant message (the response)")
+        p = _ids(tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True))
+        full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+        if full[: len(p)] != p:
+            raise ValueError("the chat template renders the prompt differently inside the conversation")
+        ids = full if full[-1] == tokenizer.eos_token_id else [*full, tokenizer.eos_token_id]
+    else:
+        if not isinstance(response, str) or not response:
+            raise ValueError("the response must be non-empty text or a message list")
+        if prompt is None:
+            raise ValueError("a text response needs a prompt")
+        p = encode_prompt(prompt, tokenizer, apply_chat_template=apply_chat_template)
+        ids = p + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    start = 1 if train_on_prompt else len(p)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[start:] = True
+    return Example(token_ids=torch.tensor(ids, dtype=torch.long), loss_mask=mask)
+
+
+def _ids(out: Any) -> list[int]:
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
+
+
+def _rows(path: Path, flag: str) -> Iterator[tuple[_Source, dict]]:
+    where, rows = read_rows(path, flag=flag)
+    for number, row in rows:
+        yield _Source(path, where, number), row
+
+
+def _get(row: dict, key: str, flag: str, src: _Source) -> Any:
+    if key not in row:
+        raise src.fail(f"no {key!r} key ({flag}); keys: {sorted(row)}")
+    return row[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_len: int
+    max_samples: int | None
+
+
+def _finish(out: list, dropped: int, path: Path, flag: str, limits: Limits) -> None:
+    if not out:
+        more = f" ({dropped} longer than --data.max_len {limits.max_len})" if dropped else ""
+        raise ValueError(f"{flag}: {str(path)!r} holds no usable examples{more}")
+    if dropped:
+        print(f"{path}: skipped {dropped} example(s) longer than --data.max_len {limits.max_len}")
+
+
+def load_sft(
+    path: Path,
+    tokenizer: Any,
+    *,
+    prompt_key: str,
+    response_key: str,
+    messages_key: str,
+    apply_chat_template: bool,
+    train_on_prompt: bool,
+    limits: Limits,
+    flag: str = "--data.path",
+) -> list[Example]:
+    out: list[Example] = []
+    dropped = 0
+    for src, row in _rows(path, flag):
+        try:
+            if messages_key in row and response_key not in row:
+                msgs = row[messages_key]
+                if not _messages(msgs):
+                    raise ValueError(f"{messages_key!r} must be a list of {{role, content}} messages")
+                ex = encode_example(
+                    None, msgs, tokenizer, apply_chat_template=True, train_on_prompt=train_on_prompt
+                )
+            else:
+                prompt = _get(row, prompt_key, "--data.prompt_key", src)
+                response = _get(row, response_key, "--data.response_key", src)
+                ex = encode_example(
+                    prompt,
+                    response,
+                    tokenizer,
+                    apply_chat_template=apply_chat_template,
+                    train_on_prompt=train_on_prompt,
+                )
+        except ValueError as err:
+            raise err if str(err).startswith(str(path)) else src.fail(str(err)) from None
+        if ex.length > limits.max_len:
+            dropped += 1
+            continue
+        out.append(ex)
+        if limits.max_samples and len(out) >= limits.max_samples:
+            break
+    _finish(out, dropped, path, flag, limits)
+    return out
+
+
+def load_pairs(
+    path: Path,
+    tokenizer: Any,
+    *,
+    prompt_key: str,
+    chosen_key: str,
+    rejected_key: str,
+    apply_chat_template: bool,
+    limits: Limits,
+    flag: str = "--data.path",
+) -> list[PreferencePair]:
+    out: list[PreferencePair] = []
+    dropped = 0
+    for src, row in _rows(path, flag):
+        chosen = _get(row, chosen_key, "--data.chosen_key", src)
+        rejected = _get(row, rejected_key, "--data.rejected_key", src)
+        prompt = row.get(prompt_key)
+        if prompt is None and not _messages(chosen):
+            raise src.fail(f"no {prompt_key!r} key (--data.prompt_key); keys: {sorted(row)}")
+        try:
+            pair = PreferencePair(
+                chosen=encode_example(prompt, chosen, tokenizer, apply_chat_template=apply_chat_template),
+                rejected=encode_example(prompt, rejected, tokenizer, apply_chat_template=apply_chat_template),
+            )
+        except ValueError as err:
+            raise src.fail(str(err)) from None
+        if max(pair.chosen.length, pair.rejected.length) > limits.max_len:
+            dropped += 1
+            continue
+        out.append(pair)
+        if limits.max_samples and len(out) >= limits.max_samples:
+            break
+    _finish(out, dropped, path, flag, limits)
+    return out
+
+
+def load_kto(
+    path: Path,
+    tokenizer: Any,
+    *,
+    prompt_key: str,
+    completion_key: str,
+    label_key: str,
+    apply_chat_template: bool,
+    limits: Limits,
+    flag: str = "--data.path",
+) -> list[KTOExample]:
+    rows: list[tuple[Any, Any, bool]] = []
+    for src, row in _rows(path, flag):
+        prompt = _get(row, prompt_key, "--data.prompt_key", src)
+        completion = _get(row, completion_key, "--data.completion_key", src)
+        label = _get(row, label_key, "--data.label_key", src)
+        if not isinstance(label, bool):
+            raise src.fail(f"{label_key!r} must be true (desirable) or false, got {label!r}")
+        try:
+            encode_example(prompt, completion, tokenizer, apply_chat_template=apply_chat_template)
+        except ValueError as err:
+            raise src.fail(str(err)) from None
+        rows.append((prompt, completion, label))
+        if limits.max_samples and len(rows) >= limits.max_samples:
+            break
+    out: list[KTOExample] = []
+    dropped = 0
+    for i, (prompt, completion, label) in enumerate(rows):
+        other = rows[(i + 1) % len(rows)][1]  # a fixed partner, so the reference can be precomputed
+        ex = encode_example(prompt, completion, tokenizer, apply_chat_template=apply_chat_template)
+        mis = encode_example(prompt, other, tokenizer, apply_chat_template=apply_chat_template)
+        if max(ex.length, mis.length) > limits.max_len:
+            dropped += 1
+            continue
+        out.append(KTOExample(example=ex, desirable=label, mismatched=mis))
+    _finish(out, dropped, path, flag, limits)
+    return out
+
+
+@dataclass(kw_only=True)
+class ExampleSet(Generic[E]):
+    """Examples served in an order shuffled by ``seed`` (a new order each epoch) from ``cursor``."""
+
+    items: list[E]
+    seed: int
+    cursor: PromptCursor
+
+    def next_batch(self, size: int) -> list[E]:
+        picked: list[E] = []
+        while len(picked) < size:
+            order = seeded_order(len(self.items), seed=self.seed, epoch=self.cursor.epoch)
+            take = order[self.cursor.index : self.cursor.index + size - len(picked)]
+            picked += [self.items[i] for i in take]
+            self.cursor.index += len(take)
+            if self.cursor.index >= len(order):
+                self.cursor = PromptCursor(epoch=self.cursor.epoch + 1, index=0)
+        return picked
+
+
+def split_heldout(items: Sequence[E], fraction: float, *, seed: int) -> tuple[list[E], list[E]]:
+    """A seeded held-out split: ``(train, heldout)``, heldout at least one item when fraction > 0."""
+    if fraction <= 0:
+        return list(items), []
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    k = max(1, round(len(items) * fraction))
+    if k >= len(items):
+        raise ValueError(f"--eval.split {fraction}: leaves no training examples out of {len(items)}")
+    held = set(order[:k])
+    return [x for i, x in enumerate(items) if i not in held], [items[i] for i in sorted(held)]

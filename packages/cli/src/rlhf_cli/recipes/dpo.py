@@ -1,0 +1,159 @@
+"""``rlhf dpo``: DPO / IPO / cDPO against a frozen reference (its own group, or precomputed once)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rlhf_algos import dpo_loss
+from transformers import AutoTokenizer
+
+from rlhf_cli.batches import PairBatch
+from rlhf_cli.config import DPOConfig
+from rlhf_cli.examples import Limits, PreferencePair, load_pairs
+from rlhf_cli.placement import Plan
+from rlhf_cli.recipes._offline import (
+    Groups,
+    OfflineResult,
+    load_examples,
+    offline_plan,
+    resolve_base,
+    run_offline,
+    sequence_logps,
+    with_reference,
+)
+from rlhf_cli.tracking import Display
+
+__all__ = ["DPO_DISPLAY", "plan", "run"]
+
+DPO_DISPLAY = Display(
+    name="dpo",
+    shown=(
+        ("loss", "train/loss", "{:.4f}"),
+        ("reward acc", "train/reward_accuracy", "{:.2f}"),
+        ("eval reward acc", "eval/reward_accuracy", "{:.2f}"),
+    ),
+    curves={
+        "train/loss": ("train loss", {"alpha": 0.7}),
+        "train/reward_accuracy": ("train reward accuracy", {"alpha": 0.5}),
+        "eval/reward_accuracy": ("eval reward accuracy", {"marker": "o", "linewidth": 2.5}),
+        "eval/reward_margin": ("eval reward margin", {"marker": "x", "linestyle": "--"}),
+    },
+    curve_file="loss_curve.png",
+    summary_keys=(
+        "train/loss",
+        "train/reward_accuracy",
+        "train/reward_margin",
+        "eval/loss",
+        "eval/reward_accuracy",
+        "eval/reward_margin",
+        "time/step",
+    ),
+)
+
+
+@dataclass
+class DPOObjective:
+    cfg: DPOConfig
+    groups: Groups
+    display: Display = DPO_DISPLAY
+
+    def _ref(self, items: list[PreferencePair]) -> list[PreferencePair]:
+        return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
+
+    def prepare(
+        self, train: list[PreferencePair], evals: list[PreferencePair]
+    ) -> tuple[list[PreferencePair], list[PreferencePair]]:
+        if not self.cfg.ref.precompute:
+            return train, evals
+        train, evals = self._ref(train), self._ref(evals)
+        self.groups.stop_ref()
+        return train, evals
+
+    def step(self, per_rank: Sequence[Sequence[Sequence[PreferencePair]]]) -> dict[str, float]:
+        flat = self._ref([p for mbs in per_rank for mb in mbs for p in mb])
+        it = iter(flat)
+        batches = []
+        for mbs in per_rank:
+            batches.append([])
+            for mb in mbs:
+                pairs = [next(it) for _ in mb]
+                ref = torch.tensor([p.ref_logp[0] for p in pairs] + [p.ref_logp[1] for p in pairs])
+                batches[-1].append(PairBatch.build(pairs, ref_logp=ref))
+        a = self.cfg.algo
+        res = self.groups.model.train_dpo(
+            batches, loss=a.loss, beta=a.beta, label_smoothing=a.label_smoothing, nll_coef=a.nll_coef
+        )
+        return {
+            "train/loss": res.loss,
+            "train/reward_accuracy": res.metrics["accuracy"],
+            "train/reward_margin": a.beta * res.metrics["logit_margin"],
+            "train/grad_norm": res.grad_norm if res.grad_norm is not None else math.nan,
+        }
+
+    def evaluate(self, examples: list[PreferencePair]) -> dict[str, float]:
+        """The loss, and the implicit rewards ``beta * (log pi - log pi_ref)``: how often the chosen
+        response's exceeds the rejected one's (reward accuracy) and by how much (margin)."""
+        examples = self._ref(examples)
+        seqs = [p.chosen for p in examples] + [p.rejected for p in examples]
+        logp = torch.tensor(
+            sequence_logps(self.groups.model, seqs, micro_batch_size=self.cfg.train.micro_batch_size)
+        )
+        n = len(examples)
+        ref = torch.tensor([p.ref_logp for p in examples])
+        a = self.cfg.algo
+        out = dpo_loss(
+            logp[:n],
+            logp[n:],
+            ref[:, 0],
+            ref[:, 1],
+            beta=a.beta,
+            variant=a.loss,
+            label_smoothing=a.label_smoothing,
+        )
+        margin = out.chosen_rewards - out.rejected_rewards
+        return {
+            "eval/loss": float(out.loss.mean()),
+            "eval/reward_accuracy": float((margin > 0).float().mean()),
+            "eval/reward_margin": float(margin.mean()),
+        }
+
+    def finish(self, train: list[PreferencePair]) -> None:
+        pass
+
+
+def plan(cfg: DPOConfig, *, connect: bool = False) -> Plan:
+    return offline_plan(cfg, with_ref=True, connect=connect)
+
+
+def run(cfg: DPOConfig) -> OfflineResult:
+    base = resolve_base(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    d = cfg.data
+
+    def load(path: Path, flag: str) -> list[PreferencePair]:
+        return load_pairs(
+            path,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            chosen_key=d.chosen_key,
+            rejected_key=d.rejected_key,
+            apply_chat_template=d.apply_chat_template,
+            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
+            flag=flag,
+        )
+
+    train, evals = load_examples(cfg, load, builtin="preferences")
+    return run_offline(
+        cfg,
+        role="actor",
+        model_dir=base,
+        tokenizer_dir=base,
+        train_items=train,
+        eval_items=evals,
+        make_objective=lambda groups: DPOObjective(cfg, groups),
+        with_ref=True,
+    )

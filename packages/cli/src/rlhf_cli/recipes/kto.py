@@ -1,0 +1,158 @@
+"""``rlhf kto``: Kahneman-Tversky optimisation on unpaired desirable / undesirable examples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rlhf_algos import kto_kl_baseline, kto_loss
+from transformers import AutoTokenizer
+
+from rlhf_cli.batches import KTOBatch
+from rlhf_cli.config import KTOConfig
+from rlhf_cli.examples import KTOExample, Limits, load_kto
+from rlhf_cli.placement import Plan
+from rlhf_cli.recipes._offline import (
+    Groups,
+    OfflineResult,
+    load_examples,
+    offline_plan,
+    resolve_base,
+    run_offline,
+    sequence_logps,
+    with_reference,
+)
+from rlhf_cli.tracking import Display
+
+__all__ = ["KTO_DISPLAY", "plan", "run"]
+
+KTO_DISPLAY = Display(
+    name="kto",
+    shown=(("loss", "train/loss", "{:.4f}"), ("eval gap", "eval/reward_gap", "{:.3f}")),
+    curves={
+        "train/loss": ("train loss", {"alpha": 0.7}),
+        "eval/reward_desirable": ("eval reward, desirable", {"marker": "o"}),
+        "eval/reward_undesirable": ("eval reward, undesirable", {"marker": "x"}),
+    },
+    curve_file="loss_curve.png",
+    lower_is_better=("loss", "time", "undesirable"),
+    summary_keys=(
+        "train/loss",
+        "train/kl_baseline",
+        "eval/loss",
+        "eval/reward_desirable",
+        "eval/reward_undesirable",
+        "eval/reward_gap",
+        "time/step",
+    ),
+)
+
+
+@dataclass
+class KTOObjective:
+    cfg: KTOConfig
+    groups: Groups
+    display: Display = KTO_DISPLAY
+
+    def _ref(self, items: list[KTOExample]) -> list[KTOExample]:
+        return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
+
+    def prepare(
+        self, train: list[KTOExample], evals: list[KTOExample]
+    ) -> tuple[list[KTOExample], list[KTOExample]]:
+        if not self.cfg.ref.precompute:
+            return train, evals
+        train, evals = self._ref(train), self._ref(evals)
+        self.groups.stop_ref()
+        return train, evals
+
+    def step(self, per_rank: Sequence[Sequence[Sequence[KTOExample]]]) -> dict[str, float]:
+        flat = iter(self._ref([e for mbs in per_rank for mb in mbs for e in mb]))
+        batches = []
+        for mbs in per_rank:
+            batches.append([])
+            for mb in mbs:
+                items = [next(flat) for _ in mb]
+                ref = torch.tensor([e.ref_logp[0] for e in items] + [e.ref_logp[1] for e in items])
+                batches[-1].append(KTOBatch.build(items, ref_logp=ref))
+        a = self.cfg.algo
+        res = self.groups.model.train_kto(
+            batches, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight
+        )
+        return {
+            "train/loss": res.loss,
+            "train/kl_baseline": res.metrics["kl_baseline"],
+            "train/grad_norm": res.grad_norm if res.grad_norm is not None else math.nan,
+        }
+
+    def evaluate(self, examples: list[KTOExample]) -> dict[str, float]:
+        """The loss and the implicit rewards ``beta * (log pi - log pi_ref)`` of desirable and
+        undesirable responses; training should raise the first and lower the second (their gap)."""
+        examples = self._ref(examples)
+        seqs = [e.example for e in examples] + [e.mismatched for e in examples]
+        logp = torch.tensor(
+            sequence_logps(self.groups.model, seqs, micro_batch_size=self.cfg.train.micro_batch_size)
+        )
+        n = len(examples)
+        ref = torch.tensor([e.ref_logp for e in examples])
+        desirable = torch.tensor([e.desirable for e in examples])
+        a = self.cfg.algo
+        z0 = kto_kl_baseline(logp[n:], ref[:, 1])
+        loss = kto_loss(
+            logp[:n],
+            ref[:, 0],
+            desirable,
+            z0,
+            beta=a.beta,
+            desirable_weight=a.desirable_weight,
+            undesirable_weight=a.undesirable_weight,
+        )
+        reward = a.beta * (logp[:n] - ref[:, 0])
+        good = float(reward[desirable].mean()) if desirable.any() else math.nan
+        bad = float(reward[~desirable].mean()) if (~desirable).any() else math.nan
+        return {
+            "eval/loss": float(loss.mean()),
+            "eval/reward_desirable": good,
+            "eval/reward_undesirable": bad,
+            "eval/reward_gap": good - bad,
+        }
+
+    def finish(self, train: list[KTOExample]) -> None:
+        pass
+
+
+def plan(cfg: KTOConfig, *, connect: bool = False) -> Plan:
+    return offline_plan(cfg, with_ref=True, connect=connect)
+
+
+def run(cfg: KTOConfig) -> OfflineResult:
+    base = resolve_base(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    d = cfg.data
+
+    def load(path: Path, flag: str) -> list[KTOExample]:
+        return load_kto(
+            path,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            completion_key=d.completion_key,
+            label_key=d.label_key,
+            apply_chat_template=d.apply_chat_template,
+            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
+            flag=flag,
+        )
+
+    train, evals = load_examples(cfg, load, builtin="kto")
+    return run_offline(
+        cfg,
+        role="actor",
+        model_dir=base,
+        tokenizer_dir=base,
+        train_items=train,
+        eval_items=evals,
+        make_objective=lambda groups: KTOObjective(cfg, groups),
+        with_ref=True,
+    )

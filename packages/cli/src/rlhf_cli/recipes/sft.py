@@ -1,0 +1,103 @@
+"""``rlhf sft``: supervised fine-tuning, the loss on the response tokens, packed rows, optional LoRA."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from rlhf_cli.batches import SFTBatch
+from rlhf_cli.config import SFTConfig
+from rlhf_cli.examples import Example, Limits, load_sft
+from rlhf_cli.placement import Plan
+from rlhf_cli.recipes._offline import (
+    Groups,
+    OfflineResult,
+    load_examples,
+    offline_plan,
+    resolve_base,
+    run_offline,
+)
+from rlhf_cli.tracking import Display
+
+__all__ = ["SFT_DISPLAY", "plan", "run"]
+
+SFT_DISPLAY = Display(
+    name="sft",
+    shown=(("loss", "train/loss", "{:.4f}"), ("eval loss", "eval/loss", "{:.4f}")),
+    curves={
+        "train/loss": ("train loss (NLL per response token)", {"alpha": 0.7}),
+        "eval/loss": ("eval loss", {"marker": "o", "linewidth": 2.5}),
+    },
+    curve_file="loss_curve.png",
+    summary_keys=("train/loss", "eval/loss", "train/grad_norm", "time/step"),
+)
+
+
+@dataclass
+class SFTObjective:
+    cfg: SFTConfig
+    groups: Groups
+    display: Display = SFT_DISPLAY
+
+    def prepare(self, train: list[Example], evals: list[Example]) -> tuple[list[Example], list[Example]]:
+        return train, evals
+
+    def step(self, per_rank: Sequence[Sequence[Sequence[Example]]]) -> dict[str, float]:
+        packing = self.cfg.train.packing
+        res = self.groups.model.train_sft(
+            [[SFTBatch.from_examples(mb, packing=packing) for mb in mbs] for mbs in per_rank]
+        )
+        return {
+            "train/loss": res.loss,
+            "train/grad_norm": res.grad_norm if res.grad_norm is not None else math.nan,
+        }
+
+    def evaluate(self, examples: list[Example]) -> dict[str, float]:
+        """Token-mean NLL of the evaluation responses (the training loss's definition)."""
+        logp = self.groups.model.forward(
+            [e.token_ids for e in examples], micro_batch_size=self.cfg.train.micro_batch_size, packing=True
+        )
+        nll = sum(float(-(lp * e.loss_mask).sum()) for lp, e in zip(logp, examples, strict=True))
+        return {"eval/loss": nll / max(1, sum(int(e.loss_mask.sum()) for e in examples))}
+
+    def finish(self, train: list[Example]) -> None:
+        pass
+
+
+def plan(cfg: SFTConfig, *, connect: bool = False) -> Plan:
+    return offline_plan(cfg, with_ref=False, connect=connect)
+
+
+def run(cfg: SFTConfig) -> OfflineResult:
+    base = resolve_base(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    d = cfg.data
+
+    def load(path: Path, flag: str) -> list[Example]:
+        return load_sft(
+            path,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            messages_key=d.messages_key,
+            apply_chat_template=d.apply_chat_template,
+            train_on_prompt=d.train_on_prompt,
+            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
+            flag=flag,
+        )
+
+    train, evals = load_examples(cfg, load, builtin="sft")
+    return run_offline(
+        cfg,
+        role="actor",
+        model_dir=base,
+        tokenizer_dir=base,
+        train_items=train,
+        eval_items=evals,
+        make_objective=lambda groups: SFTObjective(cfg, groups),
+        with_ref=False,
+    )
