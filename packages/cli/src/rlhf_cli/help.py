@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import types
 import typing
 from typing import Any
@@ -23,7 +24,7 @@ def _type_name(annotation: Any) -> str:
             if len(parts) < len(typing.get_args(annotation))
             else " | ".join(parts)
         )
-    if origin in (list, tuple, typing.Sequence):
+    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence):
         args = typing.get_args(annotation)
         return f"list[{_type_name(args[0])}]" if args else "list"
     return getattr(annotation, "__name__", str(annotation)).replace("Path", "path")

@@ -52,6 +52,8 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     targets = (
         options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
     )
+    if targets == ["all-linear"]:  # peft knows the keyword only as a plain string
+        targets = "all-linear"
     config = LoraConfig(
         r=options.rank,
         lora_alpha=options.alpha,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import difflib
 import itertools
@@ -104,7 +105,8 @@ def _is_list(annotation: Any) -> bool:
         if typing.get_origin(annotation) in (typing.Union, types.UnionType)
         else (annotation,)
     )
-    return any(typing.get_origin(a) in (list, tuple, typing.Sequence) for a in args if a is not None)
+    seqs = (list, tuple, typing.Sequence, collections.abc.Sequence)
+    return any(typing.get_origin(a) in seqs for a in args if a is not None)
 
 
 def _is_bool(annotation: Any) -> bool:

