@@ -100,20 +100,27 @@ class _BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.limit:
             await self._reject(send)
             return
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
+        body, more = b"", True
+        while more:  # read the whole body first (chunked uploads have no Content-Length)
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                await self.app(scope, receive, send)  # a disconnect: let the app see it
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                await self._reject(send)
+                return
+        replayed = False
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Any) -> None:
         body = (
@@ -127,10 +134,6 @@ class _BodyLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def build_app(scorer: RewardScorer, *, token: str | None, max_body_bytes: int) -> Any:

@@ -1,0 +1,184 @@
+"""Examples of the offline commands: tokenisation and loss masks, chat conversations, and bad input that
+fails in one line naming the file, line and key (through the command line too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rlhf_cli.examples import Limits, load_kto, load_pairs, load_sft
+from rlhf_cli.main import app
+from typer.testing import CliRunner
+
+LIMITS = Limits(max_len=512, max_samples=None)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(demo_model_dir))
+
+
+def write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_sft_masks_the_response_only(tok, tmp_path):
+    f = write(tmp_path / "sft.jsonl", [{"prompt": "max 3 7 =", "response": " 7"}])
+    (ex,) = load_sft(
+        f,
+        tok,
+        prompt_key="prompt",
+        response_key="response",
+        messages_key="messages",
+        apply_chat_template=False,
+        train_on_prompt=False,
+        limits=LIMITS,
+    )
+    prompt = tok("max 3 7 =")["input_ids"]
+    assert ex.token_ids.tolist() == prompt + tok(" 7", add_special_tokens=False)["input_ids"] + [
+        tok.eos_token_id
+    ]
+    assert ex.loss_mask.tolist() == [False] * len(prompt) + [True] * (ex.length - len(prompt))
+    (all_tokens,) = load_sft(
+        f,
+        tok,
+        prompt_key="prompt",
+        response_key="response",
+        messages_key="messages",
+        apply_chat_template=False,
+        train_on_prompt=True,
+        limits=LIMITS,
+    )
+    assert all_tokens.loss_mask.tolist() == [False] + [True] * (ex.length - 1)
+
+
+def test_chat_conversations_train_on_the_last_assistant_message(tok, tmp_path):
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "max 3 7"},
+        {"role": "assistant", "content": "7"},
+    ]
+    f = write(tmp_path / "chat.jsonl", [{"messages": msgs}])
+    (ex,) = load_sft(
+        f,
+        tok,
+        prompt_key="prompt",
+        response_key="response",
+        messages_key="messages",
+        apply_chat_template=False,
+        train_on_prompt=False,
+        limits=LIMITS,
+    )
+    full = tok.apply_chat_template(msgs, tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert ex.token_ids.tolist()[: len(full)] == full
+    assert int(ex.loss_mask.sum()) == ex.length - len(prompt)
+    assert "7" in tok.decode(ex.token_ids[ex.loss_mask])
+    assert "max 3 7" not in tok.decode(ex.token_ids[ex.loss_mask])
+
+
+def test_preferences_as_conversations(tok, tmp_path):
+    user = [{"role": "user", "content": "max 3 7"}]
+    row = {
+        "chosen": [*user, {"role": "assistant", "content": "7"}],
+        "rejected": [*user, {"role": "assistant", "content": "3"}],
+    }
+    (pair,) = load_pairs(
+        write(tmp_path / "p.jsonl", [row]),
+        tok,
+        prompt_key="prompt",
+        chosen_key="chosen",
+        rejected_key="rejected",
+        apply_chat_template=False,
+        limits=LIMITS,
+    )
+    assert pair.chosen.token_ids.tolist() != pair.rejected.token_ids.tolist()
+    n = int((~pair.chosen.loss_mask).sum())
+    assert pair.chosen.token_ids[:n].tolist() == pair.rejected.token_ids[:n].tolist()  # the shared prompt
+
+
+def test_a_preference_line_missing_chosen_names_file_line_and_key(tok, tmp_path):
+    f = write(
+        tmp_path / "prefs.jsonl",
+        [{"prompt": "a", "chosen": " b", "rejected": " c"}, {"prompt": "a", "rejected": " c"}],
+    )
+    with pytest.raises(ValueError, match=r"prefs\.jsonl, line 2: no 'chosen' key \(--data\.chosen_key\)"):
+        load_pairs(
+            f,
+            tok,
+            prompt_key="prompt",
+            chosen_key="chosen",
+            rejected_key="rejected",
+            apply_chat_template=False,
+            limits=LIMITS,
+        )
+
+
+def test_kto_labels_must_be_booleans(tok, tmp_path):
+    f = write(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": " b", "label": "yes"}])
+    with pytest.raises(ValueError, match=r"kto\.jsonl, line 1: 'label' must be true"):
+        load_kto(
+            f,
+            tok,
+            prompt_key="prompt",
+            completion_key="completion",
+            label_key="label",
+            apply_chat_template=False,
+            limits=LIMITS,
+        )
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_command_line_errors_are_one_line(tmp_path, demo_model_dir):
+    empty = write(tmp_path / "empty.jsonl", [])
+    err = one_line_error(cli("dpo", "--model.pretrain", str(demo_model_dir), "--data.path", str(empty)))
+    assert "empty.jsonl" in err and "no usable examples" in err
+    bad = write(tmp_path / "bad.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " c"}, "{not json"])
+    err = one_line_error(cli("rm", "--model.pretrain", str(demo_model_dir), "--data.path", str(bad)))
+    assert "bad.jsonl, line 2: not JSON" in err
+    err = one_line_error(cli("sft", "--lora.rnk", "8"))
+    assert "--lora.rank" in err
+
+
+def test_lora_merge_refuses_an_adapter_of_another_base(tmp_path, demo_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from rlhf_testkit import TinyModelSpec, build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    other = build_tiny_model(tmp_path / "other", TinyModelSpec(hidden_size=64, intermediate_size=128))
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(other)),
+        LoraConfig(r=2, target_modules=["q_proj", "down_proj"]),
+    )
+    peft.save_pretrained(str(tmp_path / "adapter"))
+    args = [
+        "--base",
+        str(demo_model_dir),
+        "--adapter",
+        str(tmp_path / "adapter"),
+        "--out",
+        str(tmp_path / "m"),
+    ]
+    err = one_line_error(cli("lora-merge", *args))
+    assert "trained on another base" in err and "adapter" in err
+    assert not (tmp_path / "m").exists()
+    err = one_line_error(
+        cli("lora-merge", "--base", str(demo_model_dir), "--adapter", str(tmp_path), "--out", "x")
+    )
+    assert "no adapter_config.json" in err
