@@ -124,17 +124,21 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
 
 
 def _reward_model_folder(base: Path, out: Path) -> Path:
-    from rlhf_learner import load_reward_model
-    from transformers import AutoTokenizer
+    """A reward model as ``rlhf rm`` writes it (two steps on the built-in preferences), with the score
+    normalisation it stores."""
+    from rlhf_cli.config import RMConfig
+    from rlhf_cli.recipes import rm
 
-    rm = load_reward_model(base)
-    rm.model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
+    flags = ["--model.pretrain", str(base), "--train.batch_size", "16", "--train.max_steps", "2"]
+    flags += ["--eval.every", "0", "--logger.progress", "false", "--logger.run_dir", str(out)]
+    folder = rm.run(build_config(RMConfig, flags)).final_model
+    assert json.loads((folder / "config.json").read_text())["normalize_reward"] is True
+    return folder
 
 
 def test_reinforce_baseline_with_a_reward_model_group(tmp_path, one_engine, demo_model_dir):
-    """Scores from a reward-model folder run as its own group; unpacked, token-balanced micro-batches."""
+    """Scores from a reward-model folder (trained by rlhf rm) run as its own group; unpacked,
+    token-balanced micro-batches."""
     rm_dir = _reward_model_folder(demo_model_dir, tmp_path / "rm")
     result = ppo(
         tmp_path / "run",
