@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from rlhf_cli.examples import Limits, load_kto, load_pairs, load_sft
+from rlhf_cli.config.offline import KTOData, PairData, SFTData
+from rlhf_cli.examples import load_kto, load_pairs, load_sft
 from rlhf_cli.main import app
 from typer.testing import CliRunner
-
-LIMITS = Limits(max_len=512, max_samples=None)
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +27,13 @@ def write(path: Path, rows: list) -> Path:
 
 def test_sft_masks_the_response_only(tok, tmp_path):
     f = write(tmp_path / "sft.jsonl", [{"prompt": "max 3 7 =", "response": " 7"}])
-    (ex,) = load_sft(
-        f,
-        tok,
-        prompt_key="prompt",
-        response_key="response",
-        messages_key="messages",
-        apply_chat_template=False,
-        train_on_prompt=False,
-        limits=LIMITS,
-    )
+    (ex,) = load_sft(f, tok, SFTData())
     prompt = tok("max 3 7 =")["input_ids"]
     assert ex.token_ids.tolist() == prompt + tok(" 7", add_special_tokens=False)["input_ids"] + [
         tok.eos_token_id
     ]
     assert ex.loss_mask.tolist() == [False] * len(prompt) + [True] * (ex.length - len(prompt))
-    (all_tokens,) = load_sft(
-        f,
-        tok,
-        prompt_key="prompt",
-        response_key="response",
-        messages_key="messages",
-        apply_chat_template=False,
-        train_on_prompt=True,
-        limits=LIMITS,
-    )
+    (all_tokens,) = load_sft(f, tok, SFTData(train_on_prompt=True))
     assert all_tokens.loss_mask.tolist() == [False] + [True] * (ex.length - 1)
 
 
@@ -63,16 +44,7 @@ def test_chat_conversations_train_on_the_last_assistant_message(tok, tmp_path):
         {"role": "assistant", "content": "7"},
     ]
     f = write(tmp_path / "chat.jsonl", [{"messages": msgs}])
-    (ex,) = load_sft(
-        f,
-        tok,
-        prompt_key="prompt",
-        response_key="response",
-        messages_key="messages",
-        apply_chat_template=False,
-        train_on_prompt=False,
-        limits=LIMITS,
-    )
+    (ex,) = load_sft(f, tok, SFTData())
     full = tok.apply_chat_template(msgs, tokenize=True)
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
@@ -89,15 +61,7 @@ def test_preferences_as_conversations(tok, tmp_path):
         "chosen": [*user, {"role": "assistant", "content": "7"}],
         "rejected": [*user, {"role": "assistant", "content": "3"}],
     }
-    (pair,) = load_pairs(
-        write(tmp_path / "p.jsonl", [row]),
-        tok,
-        prompt_key="prompt",
-        chosen_key="chosen",
-        rejected_key="rejected",
-        apply_chat_template=False,
-        limits=LIMITS,
-    )
+    (pair,) = load_pairs(write(tmp_path / "p.jsonl", [row]), tok, PairData())
     assert pair.chosen.token_ids.tolist() != pair.rejected.token_ids.tolist()
     n = int((~pair.chosen.loss_mask).sum())
     assert pair.chosen.token_ids[:n].tolist() == pair.rejected.token_ids[:n].tolist()  # the shared prompt
@@ -109,29 +73,13 @@ def test_a_preference_line_missing_chosen_names_file_line_and_key(tok, tmp_path)
         [{"prompt": "a", "chosen": " b", "rejected": " c"}, {"prompt": "a", "rejected": " c"}],
     )
     with pytest.raises(ValueError, match=r"prefs\.jsonl, line 2: no 'chosen' key \(--data\.chosen_key\)"):
-        load_pairs(
-            f,
-            tok,
-            prompt_key="prompt",
-            chosen_key="chosen",
-            rejected_key="rejected",
-            apply_chat_template=False,
-            limits=LIMITS,
-        )
+        load_pairs(f, tok, PairData())
 
 
 def test_kto_labels_must_be_booleans(tok, tmp_path):
     f = write(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": " b", "label": "yes"}])
     with pytest.raises(ValueError, match=r"kto\.jsonl, line 1: 'label' must be true"):
-        load_kto(
-            f,
-            tok,
-            prompt_key="prompt",
-            completion_key="completion",
-            label_key="label",
-            apply_chat_template=False,
-            limits=LIMITS,
-        )
+        load_kto(f, tok, KTOData())
 
 
 def cli(*args: str):
@@ -182,3 +130,19 @@ def test_lora_merge_refuses_an_adapter_of_another_base(tmp_path, demo_model_dir)
         cli("lora-merge", "--base", str(demo_model_dir), "--adapter", str(tmp_path), "--out", "x")
     )
     assert "no adapter_config.json" in err
+
+
+def test_dry_run_and_print_config_of_the_offline_commands(tmp_path):
+    out = cli("dpo", "--dry-run", "--model.num_devices_per_node", "2", "--ds.zero_stage", "3")
+    assert out.exit_code == 0, out.output
+    plan = out.output
+    assert "model            2" in plan and "ref              1" in plan and "ZeRO-3" in plan
+    printed = cli("kto", "--print-config", "--algo.beta", "0.3", "--data.label_key", "good")
+    assert printed.exit_code == 0
+    (tmp_path / "kto.yaml").write_text(printed.output)
+    again = cli("kto", "--config", str(tmp_path / "kto.yaml"), "--print-config")
+    assert again.output == printed.output and "beta: 0.3" in again.output
+    err = one_line_error(cli("sft", "--train.batch_size", "30", "--train.micro_batch_size", "4"))
+    assert "--train.micro_batch_size 4 does not divide the 30 examples" in err
+    err = one_line_error(cli("dpo", "--algo.label_smoothing", "0.1"))
+    assert err == "error: --algo.label_smoothing: used by --algo.loss cdpo only, not dpo"

@@ -277,3 +277,39 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
         for h in handles:
             ray_cluster.get(h.shutdown.remote(), timeout=60)
             ray_cluster.kill(h, no_restart=True)
+
+
+def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, data, tmp_path):
+    """Data parallelism changes nothing but the speed: the loss is normalised over the whole step, so
+    two ZeRO-3 ranks (policy and reference groups both sharded) reach one rank's losses."""
+    flags = [
+        "--model.pretrain",
+        str(demo_model_dir),
+        "--data.path",
+        str(data / "preferences.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "2",
+        "--eval.every",
+        "0",
+    ]
+    one = rows(run(DPOConfig, "dpo", tmp_path / "one", *flags).run_dir)
+    two = rows(
+        run(
+            DPOConfig,
+            "dpo",
+            tmp_path / "two",
+            *flags,
+            "--model.num_devices_per_node",
+            "2",
+            "--ref.num_devices_per_node",
+            "2",
+            "--ds.zero_stage",
+            "3",
+        ).run_dir
+    )
+    for a, b in zip(one, two, strict=True):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+        assert b["train/reward_accuracy"] == a["train/reward_accuracy"]
+    assert two[1]["train/loss"] < two[0]["train/loss"]

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rlhf_testkit import free_port
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -47,12 +47,6 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert "eval/pass_rate" in proc.stdout  # the summary table
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # `ray start` switches Ray's token authentication on; its clients (ray status, the rlhf driver) need the
 # same mode to read the token file Ray keeps.
 # A cluster of several nodes needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 (0 refuses a second node).
@@ -80,7 +74,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_ppo_joins_a_ray_cluster_started_with_ray_start(tmp_path):
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     head = _ray(

@@ -24,12 +24,6 @@ def reference_logprobs(model, prompt, tokens, *, temperature: float = 1.0, top_k
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(tokens))[:, None])[:, 0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """Run an ASGI app with uvicorn on 127.0.0.1 in a thread (for the test reward servers)."""
 

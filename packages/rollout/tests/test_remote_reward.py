@@ -9,7 +9,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from rlhf_rollout import RemoteReward, RemoteRewardError, SamplingParams, SingleTurnExecutor
-from rollout_testutil import PROMPTS, ServerThread, free_port
+from rlhf_testkit import free_port
+from rollout_testutil import PROMPTS, ServerThread
 
 
 class RewardServer:

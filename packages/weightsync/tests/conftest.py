@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -14,15 +13,11 @@ from rlhf_weightsync import WeightReceiver, WeightSender
 PEER = Path(__file__).with_name("_peer.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def free_port():
-    return _free_port
+    from rlhf_testkit import free_port as find
+
+    return find
 
 
 class Peers:

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from rlhf_cli.config.offline import ExampleData, KTOData, PairData, SFTData
 from rlhf_cli.data import PromptCursor, encode_prompt, read_rows, seeded_order
 
 __all__ = [
@@ -150,6 +151,10 @@ class Limits:
     max_samples: int | None
 
 
+def _limits(data: ExampleData) -> Limits:
+    return Limits(max_len=data.max_len, max_samples=data.max_samples)
+
+
 def _finish(out: list, dropped: int, path: Path, flag: str, limits: Limits) -> None:
     if not out:
         more = f" ({dropped} longer than --data.max_len {limits.max_len})" if dropped else ""
@@ -158,18 +163,14 @@ def _finish(out: list, dropped: int, path: Path, flag: str, limits: Limits) -> N
         print(f"{path}: skipped {dropped} example(s) longer than --data.max_len {limits.max_len}")
 
 
-def load_sft(
-    path: Path,
-    tokenizer: Any,
-    *,
-    prompt_key: str,
-    response_key: str,
-    messages_key: str,
-    apply_chat_template: bool,
-    train_on_prompt: bool,
-    limits: Limits,
-    flag: str = "--data.path",
-) -> list[Example]:
+def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.path") -> list[Example]:
+    """SFT examples; ``data`` names the keys (``--data.*``)."""
+    prompt_key, response_key, messages_key = data.prompt_key, data.response_key, data.messages_key
+    apply_chat_template, train_on_prompt, limits = (
+        data.apply_chat_template,
+        data.train_on_prompt,
+        _limits(data),
+    )
     out: list[Example] = []
     dropped = 0
     for src, row in _rows(path, flag):
@@ -204,16 +205,11 @@ def load_sft(
 
 
 def load_pairs(
-    path: Path,
-    tokenizer: Any,
-    *,
-    prompt_key: str,
-    chosen_key: str,
-    rejected_key: str,
-    apply_chat_template: bool,
-    limits: Limits,
-    flag: str = "--data.path",
+    path: Path, tokenizer: Any, data: PairData, *, flag: str = "--data.path"
 ) -> list[PreferencePair]:
+    """Preference pairs; ``data`` names the keys (``--data.*``)."""
+    prompt_key, chosen_key, rejected_key = data.prompt_key, data.chosen_key, data.rejected_key
+    apply_chat_template, limits = data.apply_chat_template, _limits(data)
     out: list[PreferencePair] = []
     dropped = 0
     for src, row in _rows(path, flag):
@@ -239,17 +235,10 @@ def load_pairs(
     return out
 
 
-def load_kto(
-    path: Path,
-    tokenizer: Any,
-    *,
-    prompt_key: str,
-    completion_key: str,
-    label_key: str,
-    apply_chat_template: bool,
-    limits: Limits,
-    flag: str = "--data.path",
-) -> list[KTOExample]:
+def load_kto(path: Path, tokenizer: Any, data: KTOData, *, flag: str = "--data.path") -> list[KTOExample]:
+    """KTO examples, each with its mismatched partner; ``data`` names the keys (``--data.*``)."""
+    prompt_key, completion_key, label_key = data.prompt_key, data.completion_key, data.label_key
+    apply_chat_template, limits = data.apply_chat_template, _limits(data)
     rows: list[tuple[Any, Any, bool]] = []
     for src, row in _rows(path, flag):
         prompt = _get(row, prompt_key, "--data.prompt_key", src)

@@ -10,14 +10,25 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from rlhf_learner import LoraOptions, ModelOptions, StepResult, StrategyOptions
 
+if TYPE_CHECKING:
+    from rlhf_cli.placement import Plan
+
 from rlhf_cli.batches import KTOBatch, PairBatch, PolicyBatch, SFTBatch, ValueBatch, to_rows
 
-__all__ = ["GroupSpec", "LearnerGroup", "LearnerWorker", "PolicyLossSettings", "Role"]
+__all__ = [
+    "GroupSpec",
+    "LearnerGroup",
+    "LearnerWorker",
+    "PolicyLossSettings",
+    "Role",
+    "launch_groups",
+    "worker_env",
+]
 
 Role = Literal["actor", "critic", "ref", "reward"]
 
@@ -471,6 +482,32 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def launch_groups(
+    specs: dict[str, GroupSpec], plan: Plan, pgs: dict[str, Any], *, timeout_s: float
+) -> dict[str, LearnerGroup]:
+    """Create each group's ranks on its placement group (``plan``'s bundles) and start their set-up, all
+    groups in parallel (``wait_setup`` collects them). A failure stops the groups already created."""
+    groups: dict[str, LearnerGroup] = {}
+    try:
+        for name, spec in specs.items():
+            bundle = plan.group(name).bundle
+            groups[name] = LearnerGroup(
+                spec,
+                placement_group=pgs[name],
+                bundle_offset=0,
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                timeout_s=timeout_s,
+                env_vars=worker_env(),
+            )
+            groups[name].start_setup()
+    except BaseException:
+        for g in groups.values():
+            g.shutdown()
+        raise
+    return groups
 
 
 def worker_env() -> dict[str, str]:

@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+import torch
 from rlhf_learner import StrategyOptions
 
 from rlhf_cli import task
@@ -19,7 +20,7 @@ from rlhf_cli.checkpoint import RunState, check_resumable, latest_checkpoint, lo
 from rlhf_cli.config import OfflineConfig, dump_yaml
 from rlhf_cli.data import PromptCursor
 from rlhf_cli.examples import Example, ExampleSet, KTOExample, PreferencePair, split_heldout
-from rlhf_cli.groups import GroupSpec, LearnerGroup, Role, worker_env
+from rlhf_cli.groups import GroupSpec, LearnerGroup, Role, launch_groups
 from rlhf_cli.placement import (
     Plan,
     count_params,
@@ -34,9 +35,11 @@ __all__ = [
     "Groups",
     "Objective",
     "OfflineResult",
+    "ReferenceObjective",
     "load_examples",
     "offline_plan",
     "resolve_base",
+    "run_command",
     "run_offline",
     "sequence_logps",
     "total_steps",
@@ -164,24 +167,18 @@ def _start_groups(
             strategy=_strategy(cfg, ref.world_size, frozen=True),
             model=cfg.model.options,
         )
+    from ray.util.placement_group import remove_placement_group
+
     groups: dict[str, LearnerGroup] = {}
     try:
-        for name, spec in specs.items():
-            g = plan.group(name)
-            groups[name] = LearnerGroup(
-                spec,
-                placement_group=pgs[name],
-                bundle_offset=0,
-                num_cpus=g.bundle.get("CPU", 0),
-                num_gpus=g.bundle.get("GPU", 0),
-                timeout_s=cfg.ray.timeout_s,
-                env_vars=worker_env(),
-            )
-            groups[name].start_setup()
+        groups = launch_groups(specs, plan, pgs, timeout_s=cfg.ray.timeout_s)
         for g in groups.values():
             g.wait_setup()
     except BaseException:
-        Groups(model=groups.get("model"), ref=groups.get("ref"), placement_groups=pgs).shutdown()  # type: ignore[arg-type]
+        for g in groups.values():
+            g.shutdown()
+        for pg in pgs.values():
+            remove_placement_group(pg)
         raise
     return Groups(model=groups["model"], ref=groups.get("ref"), placement_groups=pgs)
 
@@ -242,6 +239,70 @@ def _split(cfg: OfflineConfig, group: LearnerGroup, batch: list[E]) -> list[list
     """The step's examples as ``[rank][micro-batch][example]`` (contiguous shards, equal sizes)."""
     m = cfg.train.micro_batch_size
     return [[shard[i : i + m] for i in range(0, len(shard), m)] for shard in group.shards(batch)]
+
+
+def run_command(
+    cfg: OfflineConfig,
+    *,
+    role: Role,
+    builtin: str,
+    load: Callable[[Path, Any, str], list[E]],
+    make_objective: Callable[[Groups], Objective[E]],
+    with_ref: bool,
+) -> OfflineResult:
+    """A command's whole run: the starting model and its tokenizer, ``load(path, tokenizer, flag)``'s
+    examples (``builtin`` data when ``--data.path`` is unset), then :func:`run_offline`."""
+    from transformers import AutoTokenizer
+
+    base = resolve_base(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    train, evals = load_examples(cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin)
+    return run_offline(
+        cfg,
+        role=role,
+        model_dir=base,
+        tokenizer_dir=base,
+        train_items=train,
+        eval_items=evals,
+        make_objective=make_objective,
+        with_ref=with_ref,
+    )
+
+
+class ReferenceObjective(Generic[P]):
+    """What DPO and KTO share: reference log-probs attached to their examples (computed by the
+    reference group per step, or for every example once with ``--ref.precompute``)."""
+
+    cfg: Any
+    groups: Groups
+
+    def _ref(self, items: list[P]) -> list[P]:
+        return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
+
+    def prepare(self, train: list[P], evals: list[P]) -> tuple[list[P], list[P]]:
+        if not self.cfg.ref.precompute:
+            return train, evals
+        train, evals = self._ref(train), self._ref(evals)
+        self.groups.stop_ref()
+        return train, evals
+
+    def _with_ref(
+        self, per_rank: Sequence[Sequence[Sequence[P]]]
+    ) -> list[list[tuple[list[P], torch.Tensor]]]:
+        """The step's micro-batches with their reference log-probs as ``[2n]`` tensors (first
+        sequences, then second: chosen then rejected, or examples then mismatched)."""
+        flat = iter(self._ref([x for mbs in per_rank for mb in mbs for x in mb]))
+        out = []
+        for mbs in per_rank:
+            out.append([])
+            for mb in mbs:
+                items = [next(flat) for _ in mb]
+                ref = torch.tensor([x.ref_logp[0] for x in items] + [x.ref_logp[1] for x in items])
+                out[-1].append((items, ref))
+        return out
+
+    def finish(self, train: list[P]) -> None:
+        pass
 
 
 def run_offline(

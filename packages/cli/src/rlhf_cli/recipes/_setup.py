@@ -18,7 +18,7 @@ from rlhf_cli import task
 from rlhf_cli.batches import Sample, SFTBatch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data import PromptSet, encode_prompt, load_records
-from rlhf_cli.groups import GroupSpec, LearnerGroup, worker_env
+from rlhf_cli.groups import GroupSpec, LearnerGroup, launch_groups, worker_env
 from rlhf_cli.placement import Plan
 from rlhf_cli.updates import micro_batches
 from rlhf_cli.weights import EngineWeightSync
@@ -153,23 +153,11 @@ def start_components(
             strategy=_strategy(cfg, lr=cfg.actor.lr, world=cfg.reward.world_size, frozen=True),
             model=cfg.actor.model,
         )
-    groups: dict[str, LearnerGroup] = {}
     owns = engines is None
     try:
-        for name, spec in specs.items():
-            g = plan.group(name)
-            groups[name] = LearnerGroup(
-                spec,
-                placement_group=pgs[name],
-                bundle_offset=0,
-                num_cpus=g.bundle.get("CPU", 0),
-                num_gpus=g.bundle.get("GPU", 0),
-                timeout_s=cfg.ray.timeout_s,
-                env_vars=env,
-            )
-            groups[name].start_setup()
+        groups = launch_groups(specs, plan, pgs, timeout_s=cfg.ray.timeout_s)
     except BaseException:
-        _abandon(groups, None, pgs)
+        _abandon({}, None, pgs)
         raise
     eg = plan.group("engines")
     kwargs, engine_env = _engine_kwargs(cfg, path, gpu=gpu), dict(env)

@@ -5,25 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rlhf_algos import dpo_loss
-from transformers import AutoTokenizer
 
 from rlhf_cli.batches import PairBatch
 from rlhf_cli.config import DPOConfig
-from rlhf_cli.examples import Limits, PreferencePair, load_pairs
+from rlhf_cli.examples import PreferencePair, load_pairs
 from rlhf_cli.placement import Plan
 from rlhf_cli.recipes._offline import (
     Groups,
     OfflineResult,
-    load_examples,
+    ReferenceObjective,
     offline_plan,
-    resolve_base,
-    run_offline,
+    run_command,
     sequence_logps,
-    with_reference,
 )
 from rlhf_cli.tracking import Display
 
@@ -56,33 +52,15 @@ DPO_DISPLAY = Display(
 
 
 @dataclass
-class DPOObjective:
+class DPOObjective(ReferenceObjective[PreferencePair]):
     cfg: DPOConfig
     groups: Groups
     display: Display = DPO_DISPLAY
 
-    def _ref(self, items: list[PreferencePair]) -> list[PreferencePair]:
-        return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
-
-    def prepare(
-        self, train: list[PreferencePair], evals: list[PreferencePair]
-    ) -> tuple[list[PreferencePair], list[PreferencePair]]:
-        if not self.cfg.ref.precompute:
-            return train, evals
-        train, evals = self._ref(train), self._ref(evals)
-        self.groups.stop_ref()
-        return train, evals
-
     def step(self, per_rank: Sequence[Sequence[Sequence[PreferencePair]]]) -> dict[str, float]:
-        flat = self._ref([p for mbs in per_rank for mb in mbs for p in mb])
-        it = iter(flat)
-        batches = []
-        for mbs in per_rank:
-            batches.append([])
-            for mb in mbs:
-                pairs = [next(it) for _ in mb]
-                ref = torch.tensor([p.ref_logp[0] for p in pairs] + [p.ref_logp[1] for p in pairs])
-                batches[-1].append(PairBatch.build(pairs, ref_logp=ref))
+        batches = [
+            [PairBatch.build(pairs, ref_logp=ref) for pairs, ref in mbs] for mbs in self._with_ref(per_rank)
+        ]
         a = self.cfg.algo
         res = self.groups.model.train_dpo(
             batches, loss=a.loss, beta=a.beta, label_smoothing=a.label_smoothing, nll_coef=a.nll_coef
@@ -121,39 +99,17 @@ class DPOObjective:
             "eval/reward_margin": float(margin.mean()),
         }
 
-    def finish(self, train: list[PreferencePair]) -> None:
-        pass
-
 
 def plan(cfg: DPOConfig, *, connect: bool = False) -> Plan:
     return offline_plan(cfg, with_ref=True, connect=connect)
 
 
 def run(cfg: DPOConfig) -> OfflineResult:
-    base = resolve_base(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    d = cfg.data
-
-    def load(path: Path, flag: str) -> list[PreferencePair]:
-        return load_pairs(
-            path,
-            tokenizer,
-            prompt_key=d.prompt_key,
-            chosen_key=d.chosen_key,
-            rejected_key=d.rejected_key,
-            apply_chat_template=d.apply_chat_template,
-            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
-            flag=flag,
-        )
-
-    train, evals = load_examples(cfg, load, builtin="preferences")
-    return run_offline(
+    return run_command(
         cfg,
         role="actor",
-        model_dir=base,
-        tokenizer_dir=base,
-        train_items=train,
-        eval_items=evals,
+        builtin="preferences",
+        load=lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag),
         make_objective=lambda groups: DPOObjective(cfg, groups),
         with_ref=True,
     )

@@ -5,25 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rlhf_algos import kto_kl_baseline, kto_loss
-from transformers import AutoTokenizer
 
 from rlhf_cli.batches import KTOBatch
 from rlhf_cli.config import KTOConfig
-from rlhf_cli.examples import KTOExample, Limits, load_kto
+from rlhf_cli.examples import KTOExample, load_kto
 from rlhf_cli.placement import Plan
 from rlhf_cli.recipes._offline import (
     Groups,
     OfflineResult,
-    load_examples,
+    ReferenceObjective,
     offline_plan,
-    resolve_base,
-    run_offline,
+    run_command,
     sequence_logps,
-    with_reference,
 )
 from rlhf_cli.tracking import Display
 
@@ -52,32 +48,15 @@ KTO_DISPLAY = Display(
 
 
 @dataclass
-class KTOObjective:
+class KTOObjective(ReferenceObjective[KTOExample]):
     cfg: KTOConfig
     groups: Groups
     display: Display = KTO_DISPLAY
 
-    def _ref(self, items: list[KTOExample]) -> list[KTOExample]:
-        return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
-
-    def prepare(
-        self, train: list[KTOExample], evals: list[KTOExample]
-    ) -> tuple[list[KTOExample], list[KTOExample]]:
-        if not self.cfg.ref.precompute:
-            return train, evals
-        train, evals = self._ref(train), self._ref(evals)
-        self.groups.stop_ref()
-        return train, evals
-
     def step(self, per_rank: Sequence[Sequence[Sequence[KTOExample]]]) -> dict[str, float]:
-        flat = iter(self._ref([e for mbs in per_rank for mb in mbs for e in mb]))
-        batches = []
-        for mbs in per_rank:
-            batches.append([])
-            for mb in mbs:
-                items = [next(flat) for _ in mb]
-                ref = torch.tensor([e.ref_logp[0] for e in items] + [e.ref_logp[1] for e in items])
-                batches[-1].append(KTOBatch.build(items, ref_logp=ref))
+        batches = [
+            [KTOBatch.build(items, ref_logp=ref) for items, ref in mbs] for mbs in self._with_ref(per_rank)
+        ]
         a = self.cfg.algo
         res = self.groups.model.train_kto(
             batches, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight
@@ -120,39 +99,17 @@ class KTOObjective:
             "eval/reward_gap": good - bad,
         }
 
-    def finish(self, train: list[KTOExample]) -> None:
-        pass
-
 
 def plan(cfg: KTOConfig, *, connect: bool = False) -> Plan:
     return offline_plan(cfg, with_ref=True, connect=connect)
 
 
 def run(cfg: KTOConfig) -> OfflineResult:
-    base = resolve_base(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    d = cfg.data
-
-    def load(path: Path, flag: str) -> list[KTOExample]:
-        return load_kto(
-            path,
-            tokenizer,
-            prompt_key=d.prompt_key,
-            completion_key=d.completion_key,
-            label_key=d.label_key,
-            apply_chat_template=d.apply_chat_template,
-            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
-            flag=flag,
-        )
-
-    train, evals = load_examples(cfg, load, builtin="kto")
-    return run_offline(
+    return run_command(
         cfg,
         role="actor",
-        model_dir=base,
-        tokenizer_dir=base,
-        train_items=train,
-        eval_items=evals,
+        builtin="kto",
+        load=lambda path, tokenizer, flag: load_kto(path, tokenizer, cfg.data, flag=flag),
         make_objective=lambda groups: KTOObjective(cfg, groups),
         with_ref=True,
     )

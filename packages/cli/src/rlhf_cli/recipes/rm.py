@@ -5,23 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from rlhf_cli.batches import PairBatch
 from rlhf_cli.config import RMConfig
-from rlhf_cli.examples import Limits, PreferencePair, load_pairs
+from rlhf_cli.examples import PreferencePair, load_pairs
 from rlhf_cli.placement import Plan
-from rlhf_cli.recipes._offline import (
-    Groups,
-    OfflineResult,
-    load_examples,
-    offline_plan,
-    resolve_base,
-    run_offline,
-)
+from rlhf_cli.recipes._offline import Groups, OfflineResult, offline_plan, run_command
 from rlhf_cli.tracking import Display
 
 __all__ = ["NORMALIZATION_SAMPLES", "RM_DISPLAY", "plan", "run"]
@@ -93,30 +84,11 @@ def plan(cfg: RMConfig, *, connect: bool = False) -> Plan:
 
 
 def run(cfg: RMConfig) -> OfflineResult:
-    base = resolve_base(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    d = cfg.data
-
-    def load(path: Path, flag: str) -> list[PreferencePair]:
-        return load_pairs(
-            path,
-            tokenizer,
-            prompt_key=d.prompt_key,
-            chosen_key=d.chosen_key,
-            rejected_key=d.rejected_key,
-            apply_chat_template=d.apply_chat_template,
-            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
-            flag=flag,
-        )
-
-    train, evals = load_examples(cfg, load, builtin="preferences")
-    return run_offline(
+    return run_command(
         cfg,
         role="reward",
-        model_dir=base,
-        tokenizer_dir=base,
-        train_items=train,
-        eval_items=evals,
+        builtin="preferences",
+        load=lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag),
         make_objective=lambda groups: RMObjective(cfg, groups),
         with_ref=False,
     )

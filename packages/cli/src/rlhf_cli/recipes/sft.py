@@ -5,22 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from rlhf_cli.batches import SFTBatch
 from rlhf_cli.config import SFTConfig
-from rlhf_cli.examples import Example, Limits, load_sft
+from rlhf_cli.examples import Example, load_sft
 from rlhf_cli.placement import Plan
-from rlhf_cli.recipes._offline import (
-    Groups,
-    OfflineResult,
-    load_examples,
-    offline_plan,
-    resolve_base,
-    run_offline,
-)
+from rlhf_cli.recipes._offline import Groups, OfflineResult, offline_plan, run_command
 from rlhf_cli.tracking import Display
 
 __all__ = ["SFT_DISPLAY", "plan", "run"]
@@ -73,31 +63,11 @@ def plan(cfg: SFTConfig, *, connect: bool = False) -> Plan:
 
 
 def run(cfg: SFTConfig) -> OfflineResult:
-    base = resolve_base(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    d = cfg.data
-
-    def load(path: Path, flag: str) -> list[Example]:
-        return load_sft(
-            path,
-            tokenizer,
-            prompt_key=d.prompt_key,
-            response_key=d.response_key,
-            messages_key=d.messages_key,
-            apply_chat_template=d.apply_chat_template,
-            train_on_prompt=d.train_on_prompt,
-            limits=Limits(max_len=d.max_len, max_samples=d.max_samples),
-            flag=flag,
-        )
-
-    train, evals = load_examples(cfg, load, builtin="sft")
-    return run_offline(
+    return run_command(
         cfg,
         role="actor",
-        model_dir=base,
-        tokenizer_dir=base,
-        train_items=train,
-        eval_items=evals,
+        builtin="sft",
+        load=lambda path, tokenizer, flag: load_sft(path, tokenizer, cfg.data, flag=flag),
         make_objective=lambda groups: SFTObjective(cfg, groups),
         with_ref=False,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -269,8 +270,10 @@ class Strategy:
                 (directory / "config.json").write_text(json.dumps(cfg, indent=2))
             gen = getattr(hf, "generation_config", None)
             if gen is not None:
-                with contextlib.suppress(Exception):
+                try:
                     gen.save_pretrained(str(directory))
+                except ValueError as err:  # transformers refuses to save an invalid generation config
+                    warnings.warn(f"export_hf: generation_config.json not written: {err}", stacklevel=2)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(directory))
         if dist.is_initialized():
