@@ -301,6 +301,18 @@ class ReferenceObjective(Generic[P]):
                 out[-1].append((items, ref))
         return out
 
+    def _logps(self, items: list[P]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Policy and reference summed log-probs of each item's two sequences:
+        ``(policy first, policy second, reference first, reference second)``, each ``[n]``."""
+        items = self._ref(items)
+        seqs = [x.sequences[0] for x in items] + [x.sequences[1] for x in items]
+        logp = torch.tensor(
+            sequence_logps(self.groups.model, seqs, micro_batch_size=self.cfg.train.micro_batch_size)
+        )
+        ref = torch.tensor([x.ref_logp for x in items])
+        n = len(items)
+        return logp[:n], logp[n:], ref[:, 0], ref[:, 1]
+
     def finish(self, train: list[P]) -> None:
         pass
 

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from rlhf_algos import dpo_loss
 
 from rlhf_cli.batches import PairBatch
@@ -19,7 +18,6 @@ from rlhf_cli.recipes._offline import (
     ReferenceObjective,
     offline_plan,
     run_command,
-    sequence_logps,
 )
 from rlhf_cli.tracking import Display
 
@@ -75,19 +73,13 @@ class DPOObjective(ReferenceObjective[PreferencePair]):
     def evaluate(self, examples: list[PreferencePair]) -> dict[str, float]:
         """The loss, and the implicit rewards ``beta * (log pi - log pi_ref)``: how often the chosen
         response's exceeds the rejected one's (reward accuracy) and by how much (margin)."""
-        examples = self._ref(examples)
-        seqs = [p.chosen for p in examples] + [p.rejected for p in examples]
-        logp = torch.tensor(
-            sequence_logps(self.groups.model, seqs, micro_batch_size=self.cfg.train.micro_batch_size)
-        )
-        n = len(examples)
-        ref = torch.tensor([p.ref_logp for p in examples])
+        chosen, rejected, ref_chosen, ref_rejected = self._logps(examples)
         a = self.cfg.algo
         out = dpo_loss(
-            logp[:n],
-            logp[n:],
-            ref[:, 0],
-            ref[:, 1],
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
             beta=a.beta,
             variant=a.loss,
             label_smoothing=a.label_smoothing,

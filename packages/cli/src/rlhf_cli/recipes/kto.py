@@ -19,7 +19,6 @@ from rlhf_cli.recipes._offline import (
     ReferenceObjective,
     offline_plan,
     run_command,
-    sequence_logps,
 )
 from rlhf_cli.tracking import Display
 
@@ -70,26 +69,20 @@ class KTOObjective(ReferenceObjective[KTOExample]):
     def evaluate(self, examples: list[KTOExample]) -> dict[str, float]:
         """The loss and the implicit rewards ``beta * (log pi - log pi_ref)`` of desirable and
         undesirable responses; training should raise the first and lower the second (their gap)."""
-        examples = self._ref(examples)
-        seqs = [e.example for e in examples] + [e.mismatched for e in examples]
-        logp = torch.tensor(
-            sequence_logps(self.groups.model, seqs, micro_batch_size=self.cfg.train.micro_batch_size)
-        )
-        n = len(examples)
-        ref = torch.tensor([e.ref_logp for e in examples])
+        logp, kl_logp, ref, ref_kl = self._logps(examples)
         desirable = torch.tensor([e.desirable for e in examples])
         a = self.cfg.algo
-        z0 = kto_kl_baseline(logp[n:], ref[:, 1])
+        z0 = kto_kl_baseline(kl_logp, ref_kl)
         loss = kto_loss(
-            logp[:n],
-            ref[:, 0],
+            logp,
+            ref,
             desirable,
             z0,
             beta=a.beta,
             desirable_weight=a.desirable_weight,
             undesirable_weight=a.undesirable_weight,
         )
-        reward = a.beta * (logp[:n] - ref[:, 0])
+        reward = a.beta * (logp - ref)
         good = float(reward[desirable].mean()) if desirable.any() else math.nan
         bad = float(reward[~desirable].mean()) if (~desirable).any() else math.nan
         return {
