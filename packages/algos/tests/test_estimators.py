@@ -73,6 +73,18 @@ def test_registry_names_and_rules():
         compute_advantages("ppo", AdvantageInputs(scores=torch.ones(2), mask=torch.ones(2, 3)))
 
 
+def test_estimator_names_have_one_source_and_the_registry_is_read_only():
+    from typing import get_args
+
+    from rlhf_algos import BUILTIN_ESTIMATORS, EstimatorName
+
+    assert get_args(EstimatorName) == tuple(e.name for e in BUILTIN_ESTIMATORS)
+    with pytest.raises(TypeError):
+        ADVANTAGE_ESTIMATORS["mine"] = ADVANTAGE_ESTIMATORS["gae"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del ADVANTAGE_ESTIMATORS["gae"]  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("name", ["rloo", "group_norm", "dr_grpo", "reinforce_baseline"])
 def test_group_estimators_reject_single_sample(name):
     inputs = AdvantageInputs(scores=torch.ones(4), mask=torch.ones(4, 3), n_samples_per_prompt=1)

@@ -7,6 +7,7 @@ from rlhf_algos.aggregate import LossAggregation, aggregate_loss, sft_loss
 from rlhf_algos.correction import ISCorrection, vllm_is_weights
 from rlhf_algos.estimators import (
     ADVANTAGE_ESTIMATORS,
+    BUILTIN_ESTIMATORS,
     AdvantageEstimator,
     AdvantageInputs,
     EstimatorName,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BUILTIN_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "AdvantageInputs",

@@ -7,7 +7,9 @@ penalty -> GAE with a critic, or discounted returns without -> (optional) global
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -18,14 +20,13 @@ from rlhf_algos.rewards import GroupShaping, group_shaped_rewards, token_level_r
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BUILTIN_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageInputs",
     "EstimatorName",
     "compute_advantages",
     "register_estimator",
 ]
-
-EstimatorName = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,18 +92,7 @@ class AdvantageEstimator:
         return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_estimator(estimator: AdvantageEstimator) -> AdvantageEstimator:
-    """Add an estimator under its name; a name can be registered once."""
-    if estimator.name in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage estimator {estimator.name!r} is already registered")
-    ADVANTAGE_ESTIMATORS[estimator.name] = estimator
-    return estimator
-
-
-for _est in (
+BUILTIN_ESTIMATORS: tuple[AdvantageEstimator, ...] = (
     AdvantageEstimator(name="gae", group_shaping=None, uses_critic=True, whiten=True),
     AdvantageEstimator(name="reinforce", group_shaping=None, uses_critic=False, whiten=True),
     AdvantageEstimator(
@@ -111,8 +101,24 @@ for _est in (
     AdvantageEstimator(name="rloo", group_shaping="rloo", uses_critic=False, whiten=True),
     AdvantageEstimator(name="group_norm", group_shaping="group_norm", uses_critic=False, whiten=False),
     AdvantageEstimator(name="dr_grpo", group_shaping="dr_grpo", uses_critic=False, whiten=False),
-):
-    register_estimator(_est)
+)
+"""The estimators that ship: the one place their names are written."""
+
+EstimatorName = Literal[tuple(e.name for e in BUILTIN_ESTIMATORS)]  # type: ignore[valid-type]
+"""The built-in estimators' names, as a type (derived from :data:`BUILTIN_ESTIMATORS`)."""
+
+_REGISTRY: dict[str, AdvantageEstimator] = {e.name: e for e in BUILTIN_ESTIMATORS}
+
+ADVANTAGE_ESTIMATORS: Mapping[str, AdvantageEstimator] = MappingProxyType(_REGISTRY)
+"""Every estimator by name, read-only (add one with :func:`register_estimator`)."""
+
+
+def register_estimator(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Add an estimator under its name; a name can be registered once."""
+    if estimator.name in _REGISTRY:
+        raise ValueError(f"advantage estimator {estimator.name!r} is already registered")
+    _REGISTRY[estimator.name] = estimator
+    return estimator
 
 
 def compute_advantages(
