@@ -5,7 +5,13 @@ Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappe
 ``ray`` and ``fastapi`` are imported only by the modules that need them.
 """
 
-from rlhf_rollout.engine import EngineCapabilities, RolloutEngine, UnsupportedOperationError, check_prompts
+from rlhf_rollout.engine import (
+    EngineCapabilities,
+    RolloutEngine,
+    UnsupportedOperationError,
+    WeightSyncRPC,
+    check_prompts,
+)
 from rlhf_rollout.executors import (
     AgentEnv,
     AgentExecutorBase,
@@ -52,6 +58,7 @@ __all__ = [
     "TransformersEngine",
     "UnsupportedOperationError",
     "VLLMEngine",
+    "WeightSyncRPC",
     "chat_feedback_tokens",
     "check_prompts",
     "create_engines",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rlhf_rollout.types import Generation, SamplingParams
 
@@ -12,6 +12,7 @@ __all__ = [
     "EngineCapabilities",
     "RolloutEngine",
     "UnsupportedOperationError",
+    "WeightSyncRPC",
     "check_prompts",
 ]
 
@@ -65,6 +66,33 @@ class RolloutEngine(Protocol):
     def reset_prefix_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class WeightSyncRPC(Protocol):
+    """The weight-sync worker-extension calls, defined once: what rlhf-weightsync's
+    ``WeightSyncWorkerExtension`` implements in each engine worker, and what ``VLLMEngine``,
+    ``TransformersEngine`` and the Ray ``EngineActor`` forward to it with the same parameters (a test
+    compares their signatures with this one)."""
+
+    def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Join the sync group as rank ``rank_offset`` (+ the worker's tensor-parallel rank) of
+        ``world_size``; blocks until the sender and every receiver joined."""
+        ...
+
+    def receive_weights(self, *, timeout_s: float | None = None) -> Any:
+        """Receive one sync into the model (then the prefix cache is reset); returns the report(s)."""
+        ...
+
+    def close_weight_sync(self) -> None: ...
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, max_model_len: int, vocab_size: int) -> None:
