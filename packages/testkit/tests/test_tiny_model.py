@@ -24,3 +24,13 @@ def test_same_spec_same_weights(tmp_path):
     ma, mb = AutoModelForCausalLM.from_pretrained(a), AutoModelForCausalLM.from_pretrained(b)
     for (n, pa), (_, pb) in zip(ma.state_dict().items(), mb.state_dict().items(), strict=True):
         assert torch.equal(pa, pb), n
+
+
+def test_free_port_can_be_bound():
+    import socket
+
+    from rlhf_testkit import free_port
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
