@@ -49,7 +49,7 @@ def test_chat_conversations_train_on_the_last_assistant_message(tok, tmp_path):
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    assert ex.token_ids.tolist()[: len(full)] == full
+    assert ex.token_ids.tolist() == full  # the template's own end of turn, no extra EOS
     assert int(ex.loss_mask.sum()) == ex.length - len(prompt)
     assert "7" in tok.decode(ex.token_ids[ex.loss_mask])
     assert "max 3 7" not in tok.decode(ex.token_ids[ex.loss_mask])
@@ -146,3 +146,14 @@ def test_dry_run_and_print_config_of_the_offline_commands(tmp_path):
     assert "--train.micro_batch_size 4 does not divide the 30 examples" in err
     err = one_line_error(cli("dpo", "--algo.label_smoothing", "0.1"))
     assert err == "error: --algo.label_smoothing: used by --algo.loss cdpo only, not dpo"
+
+
+def test_kto_mismatched_partners_come_from_other_prompts():
+    from rlhf_cli.examples import mismatched_partners
+
+    prompts = [p for p in "abcdefgh" for _ in range(2)]  # each prompt twice, side by side (as kto.jsonl)
+    partners = mismatched_partners(prompts, seed=1)
+    assert all(prompts[j] != prompts[i] for i, j in enumerate(partners))
+    assert len(set(partners)) > len(prompts) // 2  # spread over the data, not one fixed row
+    assert partners == mismatched_partners(prompts, seed=1)  # fixed: the reference can be precomputed
+    assert mismatched_partners(["same"] * 3, seed=0) == [1, 2, 0]  # no other prompt: any other row

@@ -14,7 +14,16 @@ import torch
 from rlhf_cli import task
 from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
 
-COMMON = ["--logger.progress", "false", "--logger.tensorboard", "false", "--train.seed", "3"]
+COMMON = [
+    "--logger.progress",
+    "false",
+    "--logger.tensorboard",
+    "false",
+    "--train.seed",
+    "3",
+    "--model.lr",
+    "1e-3",
+]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -55,6 +64,7 @@ def test_sft_loss_falls_and_resume_equals_uninterrupted(ray_cluster, demo_model_
         str(demo_model_dir),
         "--data.path",
         str(data / "sft.jsonl"),
+        "--data.apply_chat_template",
         "--train.batch_size",
         "16",
         "--train.max_steps",
@@ -163,16 +173,23 @@ def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_mode
     assert r[-1]["train/loss"] < r[0]["train/loss"]
     assert r[-1]["eval/accuracy"] > 0.6  # 18 held-out pairs
     cfg = json.loads((result.final_model / "config.json").read_text())
-    assert cfg["normalize_reward"] is True and cfg["reward_std"] > 0
+    assert cfg["normalize_reward"] is True
+    from rlhf_cli.config.offline import PairData
+    from rlhf_cli.examples import load_pairs, split_heldout
     from rlhf_learner import load_reward_model
     from transformers import AutoTokenizer
 
     model = load_reward_model(str(result.final_model)).eval()
     tok = AutoTokenizer.from_pretrained(str(result.final_model))
-    ids = torch.tensor([tok("max 2 8 = 8")["input_ids"] + [tok.eos_token_id]])
-    with torch.no_grad():
-        raw, normed = model(ids, normalize=False), model(ids)
-    assert float(normed) == pytest.approx((float(raw) - cfg["reward_mean"]) / cfg["reward_std"], rel=1e-5)
+    train, _ = split_heldout(load_pairs(data / "preferences.jsonl", tok, PairData()), 0.2, seed=3)
+    with torch.no_grad():  # the stored statistics are those of the final model's raw training scores
+        raw = torch.cat(
+            [model(e.token_ids[None], normalize=False) for p in train for e in (p.chosen, p.rejected)]
+        )
+        normed = model(train[0].chosen.token_ids[None])
+    assert cfg["reward_mean"] == pytest.approx(float(raw.mean()), abs=1e-4)
+    assert cfg["reward_std"] == pytest.approx(float(raw.std()), rel=1e-3)
+    assert float(normed) == pytest.approx((float(raw[0]) - cfg["reward_mean"]) / cfg["reward_std"], rel=1e-4)
 
 
 def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, data, tmp_path):
@@ -190,8 +207,7 @@ def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, d
         "6",
         "--eval.every",
         "5",
-        "--ref.precompute",
-    )
+    )  # the reference runs as its own group, scoring each step's examples
     r = rows(result.run_dir)
     assert r[0]["train/loss"] == pytest.approx(0.5, abs=1e-3)  # 1 - sigmoid(0) with policy == reference
     assert r[-1]["train/loss"] < r[0]["train/loss"]
@@ -290,7 +306,7 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
         "--train.batch_size",
         "16",
         "--train.max_steps",
-        "2",
+        "3",
         "--eval.every",
         "0",
     ]

@@ -129,7 +129,16 @@ def _reward_model_folder(base: Path, out: Path) -> Path:
     from rlhf_cli.config import RMConfig
     from rlhf_cli.recipes import rm
 
-    flags = ["--model.pretrain", str(base), "--train.batch_size", "16", "--train.max_steps", "2"]
+    flags = [
+        "--model.pretrain",
+        str(base),
+        "--model.lr",
+        "1e-3",
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "2",
+    ]
     flags += ["--eval.every", "0", "--logger.progress", "false", "--logger.run_dir", str(out)]
     folder = rm.run(build_config(RMConfig, flags)).final_model
     assert json.loads((folder / "config.json").read_text())["normalize_reward"] is True

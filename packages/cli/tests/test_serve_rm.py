@@ -123,3 +123,28 @@ def test_binds_localhost_by_default():
     from rlhf_cli.config import ServeRMConfig, build_config
 
     assert build_config(ServeRMConfig, ["--reward.pretrain", "x"]).serve.host == "127.0.0.1"
+
+
+def test_token_ids_outside_the_vocabulary_get_422(server):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{server.url}/score", json={"input_ids": [[1, 2], [3, 100000]]}, headers=auth, timeout=30)
+    assert r.status_code == 422 and "input_ids[1]: token id 100000" in r.text
+    r = httpx.post(f"{server.url}/score", json={"input_ids": [[-1]]}, headers=auth, timeout=30)
+    assert r.status_code == 422
+    ok = httpx.post(f"{server.url}/score", json={"input_ids": [[1, 2]]}, headers=auth, timeout=30)
+    assert ok.status_code == 200  # the server still answers after refusing
+
+
+def test_no_unauthenticated_documentation_endpoints(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}", timeout=30).status_code in (401, 404)
+
+
+def test_a_public_address_without_a_token_is_refused(rm_dir, monkeypatch):
+    from rlhf_cli.main import app
+    from typer.testing import CliRunner
+
+    monkeypatch.delenv("RLHF_REWARD_TOKEN", raising=False)
+    out = CliRunner().invoke(app, ["serve-rm", "--reward.pretrain", str(rm_dir), "--serve.host", "0.0.0.0"])
+    assert out.exit_code == 2
+    assert "--serve.host 0.0.0.0: reachable from other machines; set --serve.token" in out.output

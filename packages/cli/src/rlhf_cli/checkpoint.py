@@ -45,7 +45,8 @@ RESUMABLE_CHANGES = (
     "eval.pass_threshold",
     "weightsync.timeout_s",
 )
-"""Settings a resumed run may change; every other one must equal the checkpoint's."""
+"""Settings a resumed run may change; every other one must equal the checkpoint's. (``rlhf ppo`` may
+also change ``eval.path``; for the offline commands it decides the held-out split.)"""
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -58,11 +59,13 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_compatible(saved: dict, current: dict, *, where: Path) -> None:
-    """Raise naming the first setting that differs from the checkpoint's (except resumable ones)."""
+def check_compatible(
+    saved: dict, current: dict, *, where: Path, resumable: tuple[str, ...] = RESUMABLE_CHANGES
+) -> None:
+    """Raise naming the first setting that differs from the checkpoint's (except ``resumable`` ones)."""
     a, b = _flat(saved), _flat(current)
     for key in sorted(set(a) | set(b)):
-        if key.startswith(RESUMABLE_CHANGES):
+        if key.startswith(resumable):
             continue
         if a.get(key) != b.get(key):
             raise ValueError(
@@ -106,12 +109,13 @@ def latest_checkpoint(root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def check_resumable(path: Path, config: dict) -> None:
-    """Before start-up: the checkpoint at ``path`` was written by a run with the same settings."""
+def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
+    """Before start-up: the checkpoint at ``path`` was written by a run with the same settings (except
+    ``resumable`` ones)."""
     saved = path / "config.json"
     if not saved.is_file():
         raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by an rlhf command?)")
-    check_compatible(json.loads(saved.read_text()), config, where=path)
+    check_compatible(json.loads(saved.read_text()), config, where=path, resumable=resumable)
 
 
 def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:

@@ -12,6 +12,7 @@ Formats (key names are flags):
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "load_kto",
     "load_pairs",
     "load_sft",
+    "mismatched_partners",
     "split_heldout",
 ]
 
@@ -103,8 +105,11 @@ def encode_example(
     """Token ids and loss mask of a prompt and its response.
 
     Text: the prompt as :func:`rlhf_cli.data.encode_prompt` renders it, then the response's tokens and
-    EOS. A conversation (``response`` a message list; ``prompt`` None or its leading messages): the
-    chat template of the whole conversation, the response being the final assistant message."""
+    EOS. A conversation (``response`` a message list; ``prompt`` None, text or its leading messages),
+    or text with ``apply_chat_template``: the chat template of the whole conversation as it renders it
+    (end-of-turn tokens included), the response being the final assistant message."""
+    if (apply_chat_template or isinstance(prompt, list)) and isinstance(response, str) and response:
+        response = [{"role": "assistant", "content": response}]  # the template renders the turn's end
     if _messages(response):
         messages = (list(prompt) if isinstance(prompt, list) else []) + list(response)
         if isinstance(prompt, str):
@@ -115,7 +120,7 @@ def encode_example(
         full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
         if full[: len(p)] != p:
             raise ValueError("the chat template renders the prompt differently inside the conversation")
-        ids = full if full[-1] == tokenizer.eos_token_id else [*full, tokenizer.eos_token_id]
+        ids = full  # the template's end-of-turn tokens are what the model must learn to emit
     else:
         if not isinstance(response, str) or not response:
             raise ValueError("the response must be non-empty text or a message list")
@@ -235,8 +240,11 @@ def load_pairs(
     return out
 
 
-def load_kto(path: Path, tokenizer: Any, data: KTOData, *, flag: str = "--data.path") -> list[KTOExample]:
-    """KTO examples, each with its mismatched partner; ``data`` names the keys (``--data.*``)."""
+def load_kto(
+    path: Path, tokenizer: Any, data: KTOData, *, seed: int = 0, flag: str = "--data.path"
+) -> list[KTOExample]:
+    """KTO examples, each with its mismatched partner (:func:`mismatched_partners`); ``data`` names the
+    keys (``--data.*``)."""
     prompt_key, completion_key, label_key = data.prompt_key, data.completion_key, data.label_key
     apply_chat_template, limits = data.apply_chat_template, _limits(data)
     rows: list[tuple[Any, Any, bool]] = []
@@ -255,8 +263,9 @@ def load_kto(path: Path, tokenizer: Any, data: KTOData, *, flag: str = "--data.p
             break
     out: list[KTOExample] = []
     dropped = 0
+    partners = mismatched_partners([json.dumps(p, sort_keys=True) for p, _, _ in rows], seed=seed)
     for i, (prompt, completion, label) in enumerate(rows):
-        other = rows[(i + 1) % len(rows)][1]  # a fixed partner, so the reference can be precomputed
+        other = rows[partners[i]][1]  # fixed per example, so the reference can be precomputed
         ex = encode_example(prompt, completion, tokenizer, apply_chat_template=apply_chat_template)
         mis = encode_example(prompt, other, tokenizer, apply_chat_template=apply_chat_template)
         if max(ex.length, mis.length) > limits.max_len:
@@ -264,6 +273,22 @@ def load_kto(path: Path, tokenizer: Any, data: KTOData, *, flag: str = "--data.p
             continue
         out.append(KTOExample(example=ex, desirable=label, mismatched=mis))
     _finish(out, dropped, path, flag, limits)
+    return out
+
+
+def mismatched_partners(prompts: Sequence[str], *, seed: int) -> list[int]:
+    """For each example, another example whose prompt differs (its response makes the KTO reference
+    point's sample ``(x_i, y_j)``): the next one in a seeded shuffle whose prompt is not ``x_i``
+    (any other example when every prompt is the same)."""
+    n = len(prompts)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    pos = {idx: k for k, idx in enumerate(order)}
+    out = []
+    for i in range(n):
+        candidates = (order[(pos[i] + step) % n] for step in range(1, n))
+        other = next((j for j in candidates if prompts[j] != prompts[i]), None)
+        out.append(other if other is not None else (i + 1) % n)
     return out
 
 

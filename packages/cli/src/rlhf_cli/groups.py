@@ -143,11 +143,21 @@ class LearnerWorker:
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw).logp)]
             elif self.spec.role == "critic":
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw))]
-            else:
-                out += list(self.engine(t["input_ids"], **kw).float().cpu())
+            else:  # a reward model in training scores raw (its stored normalisation is for its users)
+                scores = self.engine(t["input_ids"], **kw, normalize=False if self.spec.trained else None)
+                out += list(scores.float().cpu())
         if self.spec.trained:
             self.engine.train()
         return out
+
+    @torch.no_grad()
+    def sequence_logps(
+        self, *, sequences: list[torch.Tensor], masks: list[torch.Tensor], micro_batch_size: int
+    ) -> list[float]:
+        """Per sequence (a policy or reference): the summed log-probs of its ``masks`` tokens, from
+        padded rows as the DPO / KTO steps lay them out."""
+        logp = self.forward(sequences=sequences, micro_batch_size=micro_batch_size, packing=False)
+        return [float((lp * m).sum()) for lp, m in zip(logp, masks, strict=True)]
 
     # --- updates ---------------------------------------------------------------------------------
     def train_policy(self, *, micro_batches: list[PolicyBatch], settings: PolicyLossSettings) -> StepResult:
@@ -378,13 +388,32 @@ class LearnerGroup:
         """Per-sequence results, each rank scoring its shard. Shards are padded (with copies of a
         sequence, results dropped) to the same length, so every rank makes the same number of forward
         calls: ZeRO-3 gathers parameters collectively in each one."""
+        return self._sharded(
+            "forward", sequences=sequences, micro_batch_size=micro_batch_size, packing=packing
+        )
+
+    def sequence_logps(
+        self, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *, micro_batch_size: int
+    ) -> list[float]:
+        """Per sequence: the summed log-probs of its ``masks`` tokens (see ``LearnerWorker``)."""
+        return self._sharded(
+            "sequence_logps", sequences=sequences, masks=masks, micro_batch_size=micro_batch_size
+        )
+
+    def _sharded(
+        self, method: str, *, sequences: Sequence[Any], masks: Sequence[Any] = (), **kw: Any
+    ) -> list[Any]:
+        """``method`` on contiguous shards of ``sequences`` (and ``masks``), one per rank, results in order.
+        Shards are padded (with copies of the first item, results dropped) to the same length, so every
+        rank makes the same number of forward calls: ZeRO-3 gathers parameters collectively in each."""
         shards = self.shards(sequences)
         longest = max(len(s) for s in shards)
-        padded = [s + [sequences[0]] * (longest - len(s)) for s in shards]
-        refs = [
-            w.forward.remote(sequences=shard, micro_batch_size=micro_batch_size, packing=packing)
-            for w, shard in zip(self.workers, padded, strict=True)
-        ]
+        pad = lambda items: items + [items[0] if items else sequences[0]] * (longest - len(items))  # noqa: E731
+        args = [{"sequences": pad(shard)} for shard in shards]
+        if masks:
+            for a, m in zip(args, self.shards(masks), strict=True):
+                a["masks"] = m + [masks[0]] * (longest - len(m))
+        refs = [getattr(w, method).remote(**a, **kw) for w, a in zip(self.workers, args, strict=True)]
         parts = self._get(refs)
         return [x for part, shard in zip(parts, shards, strict=True) for x in part[: len(shard)]]
 

@@ -170,8 +170,12 @@ def serve_rm(ctx: typer.Context) -> None:
         from rlhf_cli.serve_rm import RewardScorer, RewardServer, build_app, resolve_token
 
         s = cfg.serve
-        scorer = RewardScorer(cfg.reward.pretrain, batch_size=s.batch_size, max_len=s.max_len)
         token = resolve_token(s.token)
+        if token is None and s.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"--serve.host {s.host}: reachable from other machines; set --serve.token or RLHF_REWARD_TOKEN"
+            )
+        scorer = RewardScorer(cfg.reward.pretrain, batch_size=s.batch_size, max_len=s.max_len)
         server = RewardServer(
             build_app(scorer, token=token, max_body_bytes=s.max_body_bytes), host=s.host, port=s.port
         )

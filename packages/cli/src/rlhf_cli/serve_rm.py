@@ -10,6 +10,7 @@ token guards both; bodies over the size limit get 413, malformed ones 422 with t
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
 
+import hmac
 import os
 import socket
 import threading
@@ -56,6 +57,10 @@ class RewardScorer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.batch_size, self.max_len = batch_size, max_len
         self._lock = threading.Lock()  # one forward at a time (requests arrive on several threads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
 
     @property
     def normalized(self) -> bool:
@@ -141,10 +146,12 @@ def build_app(scorer: RewardScorer, *, token: str | None, max_body_bytes: int) -
     from fastapi import Depends, FastAPI, HTTPException, Request
     from fastapi.concurrency import run_in_threadpool
 
-    app = FastAPI(title="rlhf reward model")
+    app = FastAPI(title="rlhf reward model", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {token}".encode() if token is not None else None
 
     def authorized(request: Request) -> None:
-        if token is not None and request.headers.get("authorization") != f"Bearer {token}":
+        given = request.headers.get("authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):
             raise HTTPException(status_code=401, detail="missing or wrong bearer token")
 
     @app.get("/health", dependencies=[Depends(authorized)])
@@ -156,6 +163,14 @@ def build_app(scorer: RewardScorer, *, token: str | None, max_body_bytes: int) -
         if body.queries is not None:
             scores = await run_in_threadpool(scorer.score_texts, body.queries)
         else:
+            vocab = scorer.vocab_size
+            for i, row in enumerate(body.input_ids):
+                bad = next((t for t in row if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise HTTPException(
+                        status_code=422,
+                        detail=f"input_ids[{i}]: token id {bad} is outside the vocabulary [0, {vocab})",
+                    )
             scores = await run_in_threadpool(scorer.score_ids, body.input_ids)
         return {"rewards": scores, "scores": scores}
 

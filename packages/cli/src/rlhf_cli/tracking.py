@@ -143,14 +143,22 @@ class Tracker:
 
     def close(self) -> str:
         """Stop the sinks, draw the curve PNG and return the summary table as text."""
-        if self._progress is not None:
-            self._progress.stop()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        self.stop()
         self.plot()
         return self.summary()
+
+    def stop(self) -> None:
+        """Stop the progress display and flush and close TensorBoard and W&B (idempotent; a failed
+        run calls it alone: what was logged stays, no curve or summary is drawn)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in self.history if key in r]

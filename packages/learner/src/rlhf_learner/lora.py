@@ -77,12 +77,24 @@ def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_adapter_matches(base_dir, adapter_dir)
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # merge in fp32
+    saved_dtype = _config_dtype(base_dir)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged = merged.to(saved_dtype)  # written in the base folder's dtype (a bf16 base stays bf16)
     merged.save_pretrained(str(out_dir), safe_serialization=True)
     with contextlib.suppress(OSError, ValueError):  # a base folder without a tokenizer is fine
         AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def _config_dtype(model_dir: str | Path) -> torch.dtype:
+    """The weight dtype a Hugging Face folder declares (``dtype`` / ``torch_dtype``); float32 if none."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path) -> None:

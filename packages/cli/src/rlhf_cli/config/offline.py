@@ -26,11 +26,16 @@ __all__ = [
 ]
 
 
+TINY_MODEL_LR = 1e-3
+"""What the built-in tiny model (random weights, 0.36M parameters) trains well with."""
+
+
 class ModelConfig(GroupShape):
     pretrain: str | None = None
     """Hugging Face folder to start from; unset: the built-in tiny model (built offline)."""
-    lr: float = Field(1e-3, gt=0)
-    """Learning rate (the built-in tiny model wants a large one; around 1e-5 suits real LLMs)."""
+    lr: float | None = Field(None, gt=0)
+    """Learning rate; unset: 1e-3 for the built-in tiny model (no pretrain given), else the command's
+    default for real LLMs (sft 5e-6, rm 9e-6, dpo and kto 5e-7)."""
     options: ModelOptions = Field(default_factory=ModelOptions)
     """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
 
@@ -144,6 +149,14 @@ class OfflineConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     command: ClassVar[str] = "offline"
+    pretrained_lr: ClassVar[float] = 5e-6
+    """Default learning rate when --model.pretrain is given (a real model)."""
+
+    @property
+    def learning_rate(self) -> float:
+        if self.model.lr is not None:
+            return self.model.lr
+        return self.pretrained_lr if self.model.pretrain is not None else TINY_MODEL_LR
 
     @property
     def grad_accum_steps(self) -> int:
@@ -212,6 +225,7 @@ class RMConfig(OfflineConfig):
     data: PairData = Field(default_factory=PairData)
     logger: RMLogger = Field(default_factory=RMLogger)
     command: ClassVar[str] = "rm"
+    pretrained_lr: ClassVar[float] = 9e-6
 
 
 class _WithReference(OfflineConfig):
@@ -228,6 +242,7 @@ class DPOConfig(_WithReference):
     algo: DPOAlgo = Field(default_factory=DPOAlgo)
     logger: DPOLogger = Field(default_factory=DPOLogger)
     command: ClassVar[str] = "dpo"
+    pretrained_lr: ClassVar[float] = 5e-7
 
 
 class KTOConfig(_WithReference):
@@ -237,11 +252,12 @@ class KTOConfig(_WithReference):
     algo: KTOAlgo = Field(default_factory=KTOAlgo)
     logger: KTOLogger = Field(default_factory=KTOLogger)
     command: ClassVar[str] = "kto"
+    pretrained_lr: ClassVar[float] = 5e-7
 
 
 class ServeOptions(Section):
     host: str = "127.0.0.1"
-    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it, set a token then)."""
+    """Address to bind (127.0.0.1: this machine only; any other address needs a token)."""
     port: int = Field(8600, ge=0, le=65535)
     """Port to listen on (0: any free port, printed at start-up)."""
     token: str | None = None

@@ -132,7 +132,7 @@ def offline_plan(cfg: OfflineConfig, *, with_ref: bool, connect: bool = False) -
 def _strategy(cfg: OfflineConfig, world: int, *, frozen: bool) -> StrategyOptions:
     options = replace(
         cfg.ds,
-        lr=cfg.model.lr,
+        lr=cfg.learning_rate,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum_steps=cfg.grad_accum_steps,
         seed=cfg.train.seed,
@@ -230,8 +230,9 @@ def with_reference(items: list[P], ref: LearnerGroup | None, *, micro_batch_size
 
 
 def total_steps(cfg: OfflineConfig, num_examples: int) -> int:
-    per_epoch = max(1, num_examples // cfg.train.batch_size)
-    steps = cfg.train.num_epochs * per_epoch
+    """Steps for ``--train.num_epochs`` passes (batches run on across epoch ends: no example is
+    dropped), at most ``--train.max_steps``."""
+    steps = max(1, cfg.train.num_epochs * num_examples // cfg.train.batch_size)
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
@@ -255,6 +256,14 @@ def run_command(
     from transformers import AutoTokenizer
 
     base = resolve_base(cfg)
+    ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
+    if ref_dir is not None:
+        from rlhf_learner.models import check_model_dir
+
+        try:
+            check_model_dir(ref_dir)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"--ref.pretrain: {err}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     train, evals = load_examples(cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin)
     return run_offline(
@@ -345,6 +354,7 @@ def run_offline(
         make_offline_plan(cfg, local_resources(cfg), num_params=num_params, with_ref=with_ref)
     resources, started_ray = start_ray(cfg)
     groups: Groups | None = None
+    tracker: Tracker | None = None
     try:
         plan = make_offline_plan(cfg, resources, num_params=num_params, with_ref=with_ref)
         groups = _start_groups(
@@ -402,6 +412,8 @@ def run_offline(
             summary=summary,
         )
     finally:
+        if tracker is not None:
+            tracker.stop()
         if groups is not None:
             groups.shutdown()
         if started_ray:

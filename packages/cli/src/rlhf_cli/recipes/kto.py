@@ -102,7 +102,9 @@ def run(cfg: KTOConfig) -> OfflineResult:
         cfg,
         role="actor",
         builtin="kto",
-        load=lambda path, tokenizer, flag: load_kto(path, tokenizer, cfg.data, flag=flag),
+        load=lambda path, tokenizer, flag: load_kto(
+            path, tokenizer, cfg.data, seed=cfg.train.seed, flag=flag
+        ),
         make_objective=lambda groups: KTOObjective(cfg, groups),
         with_ref=True,
     )

@@ -16,7 +16,14 @@ from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
 from rlhf_cli import task
-from rlhf_cli.checkpoint import RunState, check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf_cli.checkpoint import (
+    RESUMABLE_CHANGES,
+    RunState,
+    check_resumable,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rlhf_cli.config import PPOConfig, dump_yaml
 from rlhf_cli.data import PromptCursor
 from rlhf_cli.experience import make_experience
@@ -72,7 +79,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     ckpt_root = run_dir / "checkpoints"
     found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
     if found is not None:
-        check_resumable(found, cfg.model_dump(mode="json"))
+        check_resumable(found, cfg.model_dump(mode="json"), resumable=(*RESUMABLE_CHANGES, "eval.path"))
     elif cfg.ckpt.load_enable:
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,6 +95,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         )  # a plan that cannot fit fails before start-up
     resources, started_ray = start_ray(cfg)
     c: Components | None = None
+    tracker: Tracker | None = None
     try:
         layout = make_plan(cfg, resources, num_params=num_params)
         pgs = placement_groups(layout, timeout_s=cfg.ray.timeout_s, skip=("engines",) if engines else ())
@@ -161,6 +169,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         summary = tracker.close()
         return PPOResult(run_dir=run_dir, final_model=final, history=tracker.history, summary=summary)
     finally:
+        if tracker is not None:
+            tracker.stop()
         if c is not None:
             c.shutdown()
         if started_ray:
