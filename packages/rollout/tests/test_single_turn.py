@@ -132,3 +132,21 @@ def test_prompt_longer_than_engine_max_length(hf_engine, tokenizer):
     ex = SingleTurnExecutor(engine=hf_engine, params=SamplingParams(max_new_tokens=4), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="prompt 2 has 600 tokens; the engine's max_model_len is 512"):
         ex.run([[1, 2], [1, 3], [1] * 600])
+
+
+def test_engine_locks_are_freed_with_their_engine():
+    import gc
+
+    from rlhf_rollout.executors import base
+
+    class Engine:
+        def generate(self, prompts, params):
+            return []
+
+    engine = Engine()
+    lock = base._engine_lock(engine)
+    assert base._engine_lock(engine) is lock  # one lock per engine, shared by every executor
+    before = len(base._LOCKS)
+    del engine, lock
+    gc.collect()
+    assert len(base._LOCKS) == before - 1

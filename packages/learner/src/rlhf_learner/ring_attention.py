@@ -47,7 +47,9 @@ PACKED_ROWS = "rlhf_packed_rows"
 """Keyword argument to pass (``True``) to a ring-attention model's forward for packed rows: transformers
 hands it to the attention function, also when gradient checkpointing recomputes a layer."""
 
-_GROUP: dict[str, Any] = {"group": None}
+_GROUP_ATTR = "_rlhf_ring_group"
+"""Attribute :func:`use_ring_attention` sets on every submodule of the model: the process group travels
+with the model (each attention layer reads its own), so two models can ring over different groups."""
 
 
 def _ring_pass(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
@@ -207,7 +209,7 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    group = _GROUP["group"]
+    group = getattr(module, _GROUP_ATTR, None)
     if kwargs.get(PACKED_ROWS, False):
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -231,8 +233,9 @@ def use_ring_attention(model: Any, group: Any = None) -> None:
     """
     from transformers import AttentionInterface
 
-    AttentionInterface.register(RING_ATTENTION, _attention_interface)
-    _GROUP["group"] = group
+    AttentionInterface.register(RING_ATTENTION, _attention_interface)  # a name for a stateless function
+    for m in model.modules():
+        setattr(m, _GROUP_ATTR, group)
     model.set_attn_implementation(RING_ATTENTION)
 
 

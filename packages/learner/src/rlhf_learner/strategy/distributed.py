@@ -40,6 +40,10 @@ def init_distributed(
     and DeepSpeed's shared-memory communication op is switched off first (otherwise DeepSpeed
     JIT-compiles it for minutes and needs a compiler). Every collective gets ``timeout_s``, so a dead
     peer raises instead of hanging. Calling it again in an initialised process is a no-op.
+
+    Side effect, on purpose: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    are written to ``os.environ`` (from the arguments, else the defaults above), because DeepSpeed and
+    torch's ``env://`` rendezvous read them there; nothing else in the environment is changed.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

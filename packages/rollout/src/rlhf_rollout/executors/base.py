@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,13 +88,14 @@ async def agenerate(
     return await asyncio.to_thread(call)
 
 
-_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+"""One lock per local engine object, shared by every executor using it; an entry goes with its engine."""
 _LOCKS_GUARD = threading.Lock()
 
 
 def _engine_lock(engine: Any) -> threading.Lock:
     with _LOCKS_GUARD:
-        return _LOCKS.setdefault(id(engine), threading.Lock())
+        return _LOCKS.setdefault(engine, threading.Lock())
 
 
 class AgentExecutorBase(ABC):
