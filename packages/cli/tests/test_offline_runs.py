@@ -26,6 +26,11 @@ COMMON = [
 ]
 
 
+def on(model: Path, data_file: Path) -> list[str]:
+    """The model and data flags every run here starts with."""
+    return ["--model.pretrain", str(model), "--data.path", str(data_file)]
+
+
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,10 +65,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_sft_loss_falls_and_resume_equals_uninterrupted(ray_cluster, demo_model_dir, data, tmp_path):
     flags = [
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "sft.jsonl"),
+        *on(demo_model_dir, data / "sft.jsonl"),
         "--data.apply_chat_template",
         "--train.batch_size",
         "16",
@@ -95,10 +97,7 @@ def test_sft_loss_falls_and_resume_equals_uninterrupted(ray_cluster, demo_model_
 
 def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data, tmp_path):
     flags = [
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "preferences.jsonl"),
+        *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
         "--train.max_steps",
@@ -127,10 +126,7 @@ def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data,
 
 def test_ipo_and_cdpo_losses_differ_from_dpo(ray_cluster, demo_model_dir, data, tmp_path):
     base = [
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "preferences.jsonl"),
+        *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
         "--train.max_steps",
@@ -156,10 +152,7 @@ def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_mode
         RMConfig,
         "rm",
         tmp_path / "rm",
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "preferences.jsonl"),
+        *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
         "--train.num_epochs",
@@ -197,10 +190,7 @@ def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, d
         KTOConfig,
         "kto",
         tmp_path / "kto",
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "kto.jsonl"),
+        *on(demo_model_dir, data / "kto.jsonl"),
         "--train.batch_size",
         "16",
         "--train.max_steps",
@@ -220,10 +210,7 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
         SFTConfig,
         "sft",
         tmp_path / "lora",
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "sft.jsonl"),
+        *on(demo_model_dir, data / "sft.jsonl"),
         "--train.batch_size",
         "16",
         "--train.max_steps",
@@ -299,10 +286,7 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
     """Data parallelism changes nothing but the speed: the loss is normalised over the whole step, so
     two ZeRO-3 ranks (policy and reference groups both sharded) reach one rank's losses."""
     flags = [
-        "--model.pretrain",
-        str(demo_model_dir),
-        "--data.path",
-        str(data / "preferences.jsonl"),
+        *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
         "--train.max_steps",
