@@ -9,6 +9,7 @@ weights to a running rollout engine after every optimizer step. The engine is rl
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -71,14 +72,25 @@ class Examples(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): a receiver that retries its connect to a
+    port inside that range can be handed it as its own source port, and then the sender cannot bind it."""
+    for port in random.sample(range(20000, 32000), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def main(workdir: Path | None = None) -> dict:
     from rlhf_testkit import build_tiny_model
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="hf-trainer-sync-"))
     model_dir = str(build_tiny_model(workdir / "model"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=engine, args=(model_dir, port, STEPS, out), daemon=True)

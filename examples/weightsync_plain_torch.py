@@ -8,6 +8,7 @@ the model (in bf16, as inference engines keep them) and reports what it holds.
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import socket
 
 import torch
@@ -35,10 +36,21 @@ def engine(port: int, results: mp.Queue) -> None:
         receiver.close()
 
 
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): a receiver that retries its connect to a
+    port inside that range can be handed it as its own source port, and then the sender cannot bind it."""
+    for port in random.sample(range(20000, 32000), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def main() -> list[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=engine, args=(port, results), daemon=True)

@@ -78,7 +78,9 @@ def test_estimator_names_have_one_source_and_the_registry_is_read_only():
 
     from rlhf_algos import BUILTIN_ESTIMATORS, EstimatorName
 
-    assert get_args(EstimatorName) == tuple(e.name for e in BUILTIN_ESTIMATORS)
+    names = get_args(EstimatorName)
+    assert names == ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+    assert all(ADVANTAGE_ESTIMATORS[n] is e for n, e in zip(names, BUILTIN_ESTIMATORS, strict=True))
     with pytest.raises(TypeError):
         ADVANTAGE_ESTIMATORS["mine"] = ADVANTAGE_ESTIMATORS["gae"]  # type: ignore[index]
     with pytest.raises(TypeError):

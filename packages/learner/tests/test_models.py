@@ -149,3 +149,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
         grads.append({n: p.grad.clone() for n, p in actor.named_parameters()})
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-5)
+
+
+def test_ring_attention_group_travels_with_the_model_and_survives_copies(tiny_model_dir):
+    """The group is held by the model (not a module global): deep copies share it, pickles drop it."""
+    import copy
+    import pickle
+    import threading
+
+    from rlhf_learner.ring_attention import _GROUP_ATTR, use_ring_attention
+    from transformers import AutoModelForCausalLM
+
+    group = threading.Lock()  # stands in for a process group: neither copyable nor picklable
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    use_ring_attention(model, group)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    assert layers and all(getattr(m, _GROUP_ATTR).group is group for m in layers)
+    twin = copy.deepcopy(model)
+    assert all(getattr(m, _GROUP_ATTR).group is group for m in twin.modules())
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    use_ring_attention(other, None)  # a second model rings over its own group
+    assert getattr(layers[0], _GROUP_ATTR).group is group
+    restored = pickle.loads(pickle.dumps(model))
+    assert getattr(restored, _GROUP_ATTR).group is None

@@ -105,7 +105,8 @@ BUILTIN_ESTIMATORS: tuple[AdvantageEstimator, ...] = (
 """The estimators that ship: the one place their names are written."""
 
 EstimatorName = Literal[tuple(e.name for e in BUILTIN_ESTIMATORS)]  # type: ignore[valid-type]
-"""The built-in estimators' names, as a type (derived from :data:`BUILTIN_ESTIMATORS`)."""
+"""The built-in estimators' names as a ``Literal`` built at import from :data:`BUILTIN_ESTIMATORS` (what
+pydantic configurations validate against; static type checkers see it as an unknown ``Literal``)."""
 
 _REGISTRY: dict[str, AdvantageEstimator] = {e.name: e for e in BUILTIN_ESTIMATORS}
 

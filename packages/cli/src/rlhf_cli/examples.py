@@ -120,7 +120,9 @@ def encode_example(
         full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
         if full[: len(p)] != p:
             raise ValueError("the chat template renders the prompt differently inside the conversation")
-        ids = full  # the template's end-of-turn tokens are what the model must learn to emit
+        ids = full  # the template's end-of-turn tokens are what the model must learn to emit ...
+        if tokenizer.eos_token_id not in full[len(p) :]:  # ... and EOS, where the turn's end is not it
+            ids = [*full, tokenizer.eos_token_id]
     else:
         if not isinstance(response, str) or not response:
             raise ValueError("the response must be non-empty text or a message list")
@@ -278,18 +280,24 @@ def load_kto(
 
 def mismatched_partners(prompts: Sequence[str], *, seed: int) -> list[int]:
     """For each example, another example whose prompt differs (its response makes the KTO reference
-    point's sample ``(x_i, y_j)``): the next one in a seeded shuffle whose prompt is not ``x_i``
-    (any other example when every prompt is the same)."""
+    point's sample ``(x_i, y_j)``): the next one in a seeded circular shuffle whose prompt is not
+    ``x_i``; the next example when every prompt is the same. One pass backwards round the circle (O(n))."""
     n = len(prompts)
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    pos = {idx: k for k, idx in enumerate(order)}
-    out = []
-    for i in range(n):
-        candidates = (order[(pos[i] + step) % n] for step in range(1, n))
-        other = next((j for j in candidates if prompts[j] != prompts[i]), None)
-        out.append(other if other is not None else (i + 1) % n)
-    return out
+    if len(set(prompts)) <= 1:
+        return [order[(k + 1) % n] for k in sorted(range(n), key=lambda k: order[k])]
+    nearest: list[int | None] = [None] * n  # nearest[k]: first position after k with another prompt
+    for k in reversed(range(2 * n)):  # twice round: positions near the end see the start
+        pos, nxt = k % n, (k + 1) % n
+        if prompts[order[nxt]] != prompts[order[pos]]:
+            nearest[pos] = nxt
+        elif nearest[nxt] is not None:
+            nearest[pos] = nearest[nxt]
+    partner = [0] * n
+    for k, idx in enumerate(order):
+        partner[idx] = order[nearest[k]]  # type: ignore[index]
+    return partner
 
 
 @dataclass(kw_only=True)

@@ -406,13 +406,16 @@ class LearnerGroup:
         """``method`` on contiguous shards of ``sequences`` (and ``masks``), one per rank, results in order.
         Shards are padded (with copies of the first item, results dropped) to the same length, so every
         rank makes the same number of forward calls: ZeRO-3 gathers parameters collectively in each."""
-        shards = self.shards(sequences)
+        items = list(zip(sequences, masks, strict=True)) if masks else [(x, None) for x in sequences]
+        shards = self.shards(items)
         longest = max(len(s) for s in shards)
-        pad = lambda items: items + [items[0] if items else sequences[0]] * (longest - len(items))  # noqa: E731
-        args = [{"sequences": pad(shard)} for shard in shards]
-        if masks:
-            for a, m in zip(args, self.shards(masks), strict=True):
-                a["masks"] = m + [masks[0]] * (longest - len(m))
+        args = []
+        for shard in shards:
+            padded = shard + [items[0]] * (longest - len(shard))  # pairs stay together
+            a: dict[str, Any] = {"sequences": [x for x, _ in padded]}
+            if masks:
+                a["masks"] = [m for _, m in padded]
+            args.append(a)
         refs = [getattr(w, method).remote(**a, **kw) for w, a in zip(self.workers, args, strict=True)]
         parts = self._get(refs)
         return [x for part, shard in zip(parts, shards, strict=True) for x in part[: len(shard)]]

@@ -147,9 +147,10 @@ class Tracker:
         self.plot()
         return self.summary()
 
-    def stop(self) -> None:
+    def stop(self, *, failed: bool = False) -> None:
         """Stop the progress display and flush and close TensorBoard and W&B (idempotent; a failed
-        run calls it alone: what was logged stays, no curve or summary is drawn)."""
+        run calls it alone, ``failed=True``: what was logged stays, W&B marks the run failed, no curve
+        or summary is drawn)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -157,8 +158,8 @@ class Tracker:
             self.tb.close()
             self.tb = None
         if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+            run, self.wandb = self.wandb, None
+            run.finish(exit_code=1 if failed else 0)
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in self.history if key in r]

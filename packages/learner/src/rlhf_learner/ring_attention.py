@@ -48,8 +48,23 @@ PACKED_ROWS = "rlhf_packed_rows"
 hands it to the attention function, also when gradient checkpointing recomputes a layer."""
 
 _GROUP_ATTR = "_rlhf_ring_group"
-"""Attribute :func:`use_ring_attention` sets on every submodule of the model: the process group travels
-with the model (each attention layer reads its own), so two models can ring over different groups."""
+"""Attribute :func:`use_ring_attention` sets on every submodule of the model (a :class:`_GroupRef`): the
+process group travels with the model (each attention layer reads its own), so two models can ring over
+different groups."""
+
+
+class _GroupRef:
+    """Holds a process group for a model's modules. A deep copy of the model shares it (a group cannot
+    be copied); a pickled model drops it (a group cannot cross processes: call use_ring_attention again)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _GroupRef:
+        return self
+
+    def __reduce__(self):
+        return (_GroupRef, (None,))
 
 
 def _ring_pass(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
@@ -209,7 +224,8 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    group = getattr(module, _GROUP_ATTR, None)
+    ref = getattr(module, _GROUP_ATTR, None)
+    group = ref.group if ref is not None else None
     if kwargs.get(PACKED_ROWS, False):
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -234,8 +250,9 @@ def use_ring_attention(model: Any, group: Any = None) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(RING_ATTENTION, _attention_interface)  # a name for a stateless function
+    ref = _GroupRef(group)
     for m in model.modules():
-        setattr(m, _GROUP_ATTR, group)
+        setattr(m, _GROUP_ATTR, ref)
     model.set_attn_implementation(RING_ATTENTION)
 
 

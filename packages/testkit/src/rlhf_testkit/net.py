@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
+from pathlib import Path
 
 __all__ = ["free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (another process may still take it first)."""
-    with socket.socket() as s:
+    """A TCP port that was free on ``host`` a moment ago, chosen below the kernel's ephemeral range when
+    one is free there: a client that keeps retrying a connect to a port inside that range can be given
+    the same port as its own source port (a TCP self-connect), after which the server cannot bind it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any free port
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -4,6 +4,7 @@ reference) -> train (batch -> per-rank micro-batches -> update step -> evaluate 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -203,12 +204,23 @@ def load_examples(
     return items, evals
 
 
+SCORING_CHUNK = 1024
+"""Sequences per call when a group scores many (each call has the Ray timeout; progress is printed)."""
+
+
 def sequence_logps(group: LearnerGroup, examples: Sequence[Example], *, micro_batch_size: int) -> list[float]:
-    """Summed log-probs of each example's loss-mask tokens under ``group`` (a policy or reference)."""
-    per_token = group.forward(
-        [e.token_ids for e in examples], micro_batch_size=micro_batch_size, packing=True
-    )
-    return [float((lp * e.loss_mask).sum()) for lp, e in zip(per_token, examples, strict=True)]
+    """Summed log-probs of each example's loss-mask tokens under ``group`` (a policy or reference),
+    from padded rows as the training steps see them, in chunks of :data:`SCORING_CHUNK`; the ranks
+    return one float per sequence."""
+    out: list[float] = []
+    for lo in range(0, len(examples), SCORING_CHUNK):
+        chunk = examples[lo : lo + SCORING_CHUNK]
+        out += group.sequence_logps(
+            [e.token_ids for e in chunk], [e.loss_mask for e in chunk], micro_batch_size=micro_batch_size
+        )
+        if len(examples) > SCORING_CHUNK:
+            print(f"{group.spec.role}: scored {len(out)}/{len(examples)} sequences", file=sys.stderr)
+    return out
 
 
 P = TypeVar("P", PreferencePair, KTOExample)
@@ -230,9 +242,9 @@ def with_reference(items: list[P], ref: LearnerGroup | None, *, micro_batch_size
 
 
 def total_steps(cfg: OfflineConfig, num_examples: int) -> int:
-    """Steps for ``--train.num_epochs`` passes (batches run on across epoch ends: no example is
-    dropped), at most ``--train.max_steps``."""
-    steps = max(1, cfg.train.num_epochs * num_examples // cfg.train.batch_size)
+    """Steps for ``--train.num_epochs`` passes, rounded up (batches run on across epoch ends, so every
+    example is trained on), at most ``--train.max_steps``."""
+    steps = -(-cfg.train.num_epochs * num_examples // cfg.train.batch_size)
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
@@ -411,9 +423,12 @@ def run_offline(
             history=tracker.history,
             summary=summary,
         )
-    finally:
+    except BaseException:
         if tracker is not None:
-            tracker.stop()
+            with contextlib.suppress(Exception):  # the groups and Ray below are stopped regardless
+                tracker.stop(failed=True)
+        raise
+    finally:
         if groups is not None:
             groups.shutdown()
         if started_ray:

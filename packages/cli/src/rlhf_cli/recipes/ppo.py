@@ -3,6 +3,7 @@ experience -> updates -> sync -> log -> checkpoint, each step) -> clean-up (expo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
@@ -168,9 +169,12 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         c.actor.export(directory=str(final), tokenizer_path=str(model_dir))
         summary = tracker.close()
         return PPOResult(run_dir=run_dir, final_model=final, history=tracker.history, summary=summary)
-    finally:
+    except BaseException:
         if tracker is not None:
-            tracker.stop()
+            with contextlib.suppress(Exception):  # the groups and Ray below are stopped regardless
+                tracker.stop(failed=True)
+        raise
+    finally:
         if c is not None:
             c.shutdown()
         if started_ray:

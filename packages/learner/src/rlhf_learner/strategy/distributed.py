@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,10 +20,24 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago, chosen below the kernel's ephemeral range when
+    one is free there: a client that keeps retrying a connect to a port inside that range can be given
+    the same port as its own source port (a TCP self-connect), after which the server cannot bind it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any free port
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

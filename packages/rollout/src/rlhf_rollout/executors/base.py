@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -88,14 +89,21 @@ async def agenerate(
     return await asyncio.to_thread(call)
 
 
-_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
-"""One lock per local engine object, shared by every executor using it; an entry goes with its engine."""
+_LOCKS: dict[int, threading.Lock] = {}
+"""One lock per local engine object, shared by every executor using it; an entry is removed when its
+engine is garbage-collected (engines that cannot be weakly referenced keep theirs)."""
 _LOCKS_GUARD = threading.Lock()
 
 
 def _engine_lock(engine: Any) -> threading.Lock:
+    key = id(engine)
     with _LOCKS_GUARD:
-        return _LOCKS.setdefault(engine, threading.Lock())
+        lock = _LOCKS.get(key)
+        if lock is None:
+            lock = _LOCKS[key] = threading.Lock()
+            with contextlib.suppress(TypeError):  # TypeError: not weak-referenceable
+                weakref.finalize(engine, _LOCKS.pop, key, None)
+        return lock
 
 
 class AgentExecutorBase(ABC):
