@@ -35,7 +35,8 @@ class ModelConfig(GroupShape):
     """Hugging Face folder to start from; unset: the built-in tiny model (built offline)."""
     lr: float | None = Field(None, gt=0)
     """Learning rate; unset: 1e-3 for the built-in tiny model (no pretrain given), else the command's
-    default for real LLMs (sft 5e-6, rm 9e-6, dpo and kto 5e-7)."""
+    default for full fine-tuning of real LLMs (sft 5e-6, rm 9e-6, dpo and kto 5e-7; LoRA adapters usually
+    want a larger one, around 1e-4: set it)."""
     options: ModelOptions = Field(default_factory=ModelOptions)
     """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
 
