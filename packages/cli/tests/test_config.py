@@ -104,6 +104,7 @@ def test_help_is_grouped_with_type_default_and_description():
     result = run_cli("--help")
     assert result.exit_code == 0
     out = result.output
+    assert out.count("--actor.*") == 1 and out.count("Usage: rlhf ppo") == 1  # printed once
     for ns in (
         "--actor.*",
         "--critic.*",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import io
 import types
 import typing
 from typing import Any
@@ -34,7 +35,7 @@ def render_help(cls: type, *, command: str, description: str, options: list[tupl
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(record=True, width=120)
+    console = Console(record=True, width=120, file=io.StringIO())  # rendered once, by the caller
     console.print(f"[bold]Usage:[/bold] {command} [OPTIONS] [--section.key VALUE ...]\n")
     console.print(description + "\n")
     opts = Table(title="options", title_justify="left", show_header=False, box=None)

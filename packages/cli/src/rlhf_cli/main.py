@@ -15,7 +15,10 @@ _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_n
 COMMAND_OPTIONS = [
     ("--config FILE", "YAML file with the same tree; flags override it."),
     ("--print-config", "Print the resolved configuration as YAML (accepted by --config) and exit."),
-    ("--dry-run", "Resolve the configuration, print the placement plan and memory estimate, and exit."),
+    (
+        "--dry-run",
+        "Check the configuration and inputs (training: print the placement plan and memory estimate), and exit.",
+    ),
     ("--help", "Show this help and exit."),
 ]
 
