@@ -301,9 +301,12 @@ class ReferenceObjective(Generic[P]):
         return with_reference(items, self.groups.ref, micro_batch_size=self.cfg.train.micro_batch_size)
 
     def prepare(self, train: list[P], evals: list[P]) -> tuple[list[P], list[P]]:
+        """The evaluation examples are scored by the reference once, here (every evaluation reuses
+        them); the training examples too with ``--ref.precompute``, after which the group stops."""
+        evals = self._ref(evals)
         if not self.cfg.ref.precompute:
             return train, evals
-        train, evals = self._ref(train), self._ref(evals)
+        train = self._ref(train)
         self.groups.stop_ref()
         return train, evals
 
