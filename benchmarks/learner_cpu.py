@@ -1,6 +1,6 @@
 """rlhf-learner on CPU: training tokens/s, packed vs padded, and ZeRO-3 on 2 ranks vs ZeRO-0 on 1.
 
-    uv run --no-sync python benchmarks/learner_cpu.py [--repeats 3]
+    uv run python benchmarks/learner_cpu.py [--repeats 3]
 
 1. A length-skewed batch (64 sequences, lengths 16..512, most short) trained with SFT steps on one
    process (ZeRO-0, gloo group of one): padded micro-batches (8 rows, padded to the longest row, in
@@ -85,8 +85,9 @@ def timed_steps(engine, variants, repeats):
     """Seconds per optimizer step for each list of micro-batches in ``variants``; the variants are
     interleaved (A B A B ...) so that drifting machine load hits them alike. One warm-up step each."""
     from rlhf_algos import sft_loss
-    from rlhf_learner.steps import sft_step
+    from rlhf_learner.steps import SFTBatch, sft_step
 
+    variants = [[SFTBatch(**mb) for mb in mbs] for mbs in variants]
     for mbs in variants:
         sft_step(engine, mbs, sft_loss_fn=sft_loss)
     times: list[list[float]] = [[] for _ in variants]

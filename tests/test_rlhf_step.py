@@ -56,7 +56,7 @@ def _learner_logp(engine, ids, attn):
 
 def test_rollout_train_sync_roundtrip(tiny_model_dir, vllm_engine):
     from rlhf_algos import AdvantageInputs, aggregate_loss, compute_advantages, policy_loss
-    from rlhf_learner import Actor, Strategy, StrategyOptions, load_causal_lm, ppo_actor_step
+    from rlhf_learner import Actor, PolicyBatch, Strategy, StrategyOptions, load_causal_lm, ppo_actor_step
     from rlhf_learner.strategy import free_port, unwrap_hf_model
     from rlhf_rollout import SamplingParams
     from rlhf_weightsync import WeightSender
@@ -82,13 +82,9 @@ def test_rollout_train_sync_roundtrip(tiny_model_dir, vllm_engine):
     adv, _ = compute_advantages(
         "group_norm", AdvantageInputs(scores=scores, mask=action, n_samples_per_prompt=n)
     )
-    batch = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "action_mask": action,
-        "old_logp": old_logp,
-        "advantages": adv,
-    }
+    batch = PolicyBatch(
+        input_ids=ids, attention_mask=attn, action_mask=action, old_logp=old_logp, advantages=adv
+    )
     ppo_actor_step(
         engine,
         [batch],

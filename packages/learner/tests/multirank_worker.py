@@ -19,7 +19,16 @@ from pathlib import Path
 import torch
 from rlhf_algos import aggregate_loss, kto_kl_baseline, kto_loss, policy_loss
 from rlhf_learner.models import Actor, load_causal_lm, load_reference
-from rlhf_learner.steps import kto_step, ppo_actor_step, reference_logp, reference_sequence_logp
+from rlhf_learner.steps import (
+    KTOBatch,
+    ModelRows,
+    PolicyBatch,
+    SFTBatch,
+    kto_step,
+    ppo_actor_step,
+    reference_logp,
+    reference_sequence_logp,
+)
 from rlhf_learner.strategy import Strategy, StrategyOptions
 
 LENGTHS = [12, 20, 9, 16, 24, 7, 18, 11]
@@ -68,11 +77,13 @@ def micro_batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def with_old_logp(engine, mbs):
+def model_rows(mb: dict[str, torch.Tensor]) -> ModelRows:
+    return ModelRows(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+
+
+def with_old_logp(engine, mbs) -> list[PolicyBatch]:
     """PPO epochs over one rollout: old log-probs from the weights before the first update."""
-    for mb in mbs:
-        mb["old_logp"] = reference_logp(engine, mb)
-    return mbs
+    return [PolicyBatch(**mb, old_logp=reference_logp(engine, model_rows(mb))) for mb in mbs]
 
 
 def ppo_step(engine, mbs):
@@ -122,7 +133,7 @@ def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: 
             load_reference(model_dir, ds_config=strategy.ds_config(train=False)), train=False
         )
         res["ref_logp_max_diff"] = max(
-            (reference_logp(ref, mb) - mb["old_logp"]).abs().max().item() for mb in mbs
+            (reference_logp(ref, mb) - mb.old_logp).abs().max().item() for mb in mbs
         )
         p_ref = next(ref.module.parameters())
         res["ref_shard"] = [p_ref.ds_tensor.numel(), p_ref.ds_numel]
@@ -274,7 +285,9 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     engine = strategy.prepare(actor)
     rows = global_rows(seed=3)[:4]
     mb = pad_rows(rows)
+    mb.pop("advantages")
     mb["loss_mask"] = mb.pop("action_mask")
+    mb = SFTBatch(**mb)
     res = {"losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)]}
     state = strategy.full_state_dict(engine.module.model)
     if dist.get_rank() == 0:
@@ -291,7 +304,9 @@ def tensor_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     strategy.setup_distributed()
     engine = strategy.prepare(Actor(load_causal_lm(model_dir)))
     mb = pad_rows(global_rows(seed=4)[:4])
+    mb.pop("advantages")
     mb["loss_mask"] = mb.pop("action_mask")
+    mb = SFTBatch(**mb)
     res = {"losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)]}
     mlp = engine.module.model.model.layers[0].mlp.gate_proj.weight
     res["gate_proj_shape"] = list(mlp.shape)
@@ -302,7 +317,7 @@ def tensor_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     return res
 
 
-def kto_micro_batches(engine, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+def kto_micro_batches(engine, rank: int, world: int) -> list[KTOBatch]:
     """Per micro-batch: this rank's share of 4 examples, then its share of 4 mismatched rows. The
     reference log-probs are the initial model's minus a per-row offset, so that the KL estimates
     are positive and differ between the ranks' shares."""
@@ -319,9 +334,10 @@ def kto_micro_batches(engine, rank: int, world: int) -> list[dict[str, torch.Ten
         take = slice(4 * k + rank * share, 4 * k + (rank + 1) * share)
         part = examples[take] + mismatched[take]
         mb = pad_rows([row for row, _ in part])
-        mb["ref_logp"] = reference_sequence_logp(engine, mb) - torch.tensor([off for _, off in part])
+        ref = reference_sequence_logp(engine, model_rows(mb), mb["loss_mask"])
+        mb["ref_logp"] = ref - torch.tensor([off for _, off in part])
         mb["desirable"] = torch.tensor([(4 * k + rank * share + j) % 3 != 0 for j in range(share)])
-        mbs.append(mb)
+        mbs.append(KTOBatch(**mb))
     return mbs
 
 
@@ -335,7 +351,8 @@ def kto(model_dir: str, rank: int, world: int) -> dict:
     mbs = kto_micro_batches(engine, rank, world)
     n = 4 // world
     local = [
-        float(kto_kl_baseline(reference_sequence_logp(engine, mb)[n:], mb["ref_logp"][n:])) for mb in mbs
+        float(kto_kl_baseline(reference_sequence_logp(engine, mb, mb.loss_mask)[n:], mb.ref_logp[n:]))
+        for mb in mbs
     ]
     step = functools.partial(
         kto_step, kto_loss_fn=functools.partial(kto_loss, beta=0.1), kl_baseline_fn=kto_kl_baseline

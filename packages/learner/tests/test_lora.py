@@ -7,7 +7,7 @@ import torch
 from rlhf_algos import sft_loss
 from rlhf_learner.lora import LoraOptions, apply_lora, load_qlora_base, merge_adapter, save_adapter
 from rlhf_learner.models import Actor, load_causal_lm
-from rlhf_learner.steps import sft_step
+from rlhf_learner.steps import SFTBatch, sft_step
 from rlhf_learner.strategy import Strategy, StrategyOptions
 from transformers import AutoModelForCausalLM
 
@@ -19,11 +19,11 @@ def test_lora_trains_saves_and_merges(dist_single, tiny_model_dir, tmp_path):
     strategy = Strategy(StrategyOptions(zero_stage=2, lr=1e-2))
     engine = strategy.prepare(Actor(peft_model))
     g = torch.Generator().manual_seed(0)
-    mb = {
-        "input_ids": torch.randint(3, 400, (2, 12), generator=g),
-        "attention_mask": torch.ones(2, 12, dtype=torch.long),
-        "loss_mask": torch.ones(2, 12, dtype=torch.bool),
-    }
+    mb = SFTBatch(
+        input_ids=torch.randint(3, 400, (2, 12), generator=g),
+        attention_mask=torch.ones(2, 12, dtype=torch.long),
+        loss_mask=torch.ones(2, 12, dtype=torch.bool),
+    )
     losses = [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(6)]
     assert losses[-1] < losses[0] - 0.3
 
@@ -37,7 +37,7 @@ def test_lora_trains_saves_and_merges(dist_single, tiny_model_dir, tmp_path):
     assert (adapter / "adapter_config.json").is_file()
     merged_dir = merge_adapter(tiny_model_dir, adapter, tmp_path / "merged")
     exported_dir = strategy.export_hf(engine.module, tmp_path / "exported")
-    ids = mb["input_ids"]
+    ids = mb.input_ids
     with torch.no_grad():
         expect = peft_model(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(merged_dir)(ids).logits

@@ -27,6 +27,13 @@ from rlhf_algos import (
 )
 from rlhf_learner.models import Actor, load_causal_lm, load_critic, load_reference, load_reward_model
 from rlhf_learner.steps import (
+    DPOBatch,
+    KTOBatch,
+    ModelRows,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    ValueBatch,
     critic_step,
     dpo_step,
     kto_step,
@@ -56,6 +63,15 @@ def _rows(n_rows, length, seed, prompt=3):
         "attention_mask": torch.ones(n_rows, length, dtype=torch.long),
         "action_mask": mask,
     }
+
+
+def _model_rows(mb):
+    """The token rows of a dict micro-batch (what the reference functions read)."""
+    return ModelRows(
+        input_ids=mb["input_ids"],
+        attention_mask=mb.get("attention_mask"),
+        position_ids=mb.get("position_ids"),
+    )
 
 
 def _plain_logp(model, mb):
@@ -97,6 +113,61 @@ def _run(step, n=6):
     return losses
 
 
+def test_batches_check_their_shapes():
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    ones = torch.ones(4, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"PolicyBatch.advantages: shape \(4, 5\), input_ids has \(4, 6\)"):
+        PolicyBatch(input_ids=ids, action_mask=ones, old_logp=torch.zeros(4, 6), advantages=torch.zeros(4, 5))
+    with pytest.raises(ValueError, match=r"DPOBatch.ref_logp: shape \(2,\), expected \(4,\)"):
+        DPOBatch(input_ids=ids, loss_mask=ones, ref_logp=torch.zeros(2))
+    with pytest.raises(ValueError, match="3 rows, expected an even count"):
+        RewardBatch(input_ids=ids[:3])
+    with pytest.raises(ValueError, match=r"RewardBatch.margin: shape \(4,\), expected \(2,\)"):
+        RewardBatch(input_ids=ids, margin=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"KTOBatch.desirable: shape \(4,\), expected \(2,\)"):
+        KTOBatch(
+            input_ids=ids, loss_mask=ones, ref_logp=torch.zeros(4), desirable=torch.ones(4, dtype=torch.bool)
+        )
+    with pytest.raises(ValueError, match="pad, do not pack"):
+        DPOBatch(input_ids=ids, position_ids=ids, loss_mask=ones, ref_logp=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"SFTBatch.input_ids: expected \[B, T\]"):
+        SFTBatch(input_ids=ids[0], loss_mask=ones[0])
+    with pytest.raises(TypeError, match="action_mask"):  # a field of another step
+        SFTBatch(input_ids=ids, loss_mask=ones, action_mask=ones)
+    batch = SFTBatch(input_ids=ids, attention_mask=ones.long(), loss_mask=ones)
+    assert batch.model_inputs().keys() == {"attention_mask"}
+    moved = batch.to("meta")
+    assert {t.device.type for t in (moved.input_ids, moved.attention_mask, moved.loss_mask)} == {"meta"}
+    assert batch.input_ids.device.type == "cpu" and isinstance(moved, SFTBatch)
+
+
+def test_steps_name_a_micro_batch_of_the_wrong_type_or_a_missing_field(dist_single, tiny_model_dir):
+    engine = _engine(Actor(load_causal_lm(tiny_model_dir)))
+    mb = _rows(2, 6, 0)
+    with pytest.raises(TypeError, match=r"micro_batches\[0\]: got dict, this step takes SFTBatch"):
+        sft_step(
+            engine, [{"input_ids": mb["input_ids"], "loss_mask": mb["action_mask"]}], sft_loss_fn=sft_loss
+        )
+    sft = SFTBatch(
+        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], loss_mask=mb["action_mask"]
+    )
+    with pytest.raises(TypeError, match="got SFTBatch, this step takes PolicyBatch"):
+        ppo_actor_step(engine, [sft], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
+    zeros = torch.zeros(2, 6)
+    policy = PolicyBatch(**mb, old_logp=zeros, advantages=zeros)
+    kl = functools.partial(approx_kl, estimator="k3")
+    with pytest.raises(ValueError, match=r"micro_batches\[0\].ref_logp: needed by kl_loss_fn"):
+        ppo_actor_step(engine, [policy], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, kl_loss_fn=kl)
+    with pytest.raises(ValueError, match=r"micro_batches\[0\].rollout_logp: needed by is_weights_fn"):
+        ppo_actor_step(
+            engine,
+            [policy],
+            policy_loss_fn=policy_loss,
+            aggregate_fn=TOKEN_MEAN,
+            is_weights_fn=vllm_is_weights,
+        )
+
+
 def test_ppo_actor_step_lowers_policy_loss(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)), stage=2, gas=2)
     ref = load_reference(tiny_model_dir)
@@ -104,22 +175,25 @@ def test_ppo_actor_step_lowers_policy_loss(dist_single, tiny_model_dir):
     mbs[1]["action_mask"][1, 8:] = False  # micro-batches of unequal token counts (14 + 12)
     g = torch.Generator().manual_seed(5)
     for mb in mbs:
-        mb["old_logp"] = reference_logp(engine, mb)
-        mb["ref_logp"] = reference_logp(ref, mb)
+        mb["old_logp"] = reference_logp(engine, _model_rows(mb))
+        mb["ref_logp"] = reference_logp(ref, _model_rows(mb))
         mb["rollout_logp"] = mb["old_logp"] + 0.01 * torch.randn(mb["old_logp"].shape, generator=g)
         mb["advantages"] = torch.randn(mb["old_logp"].shape, generator=g)
     pl = functools.partial(policy_loss, clip_eps_low=0.2, clip_eps_high=0.28)
     kl_fn = functools.partial(approx_kl, estimator="k3")
     is_fn = functools.partial(vllm_is_weights, mode="tis", high=2.0)
-    step = functools.partial(
-        ppo_actor_step,
-        policy_loss_fn=pl,
-        aggregate_fn=TOKEN_MEAN,
-        kl_loss_fn=kl_fn,
-        kl_coef=0.01,
-        entropy_coef=0.001,
-        is_weights_fn=is_fn,
-    )
+
+    def step(engine, mbs):
+        return ppo_actor_step(
+            engine,
+            [PolicyBatch(**mb) for mb in mbs],
+            policy_loss_fn=pl,
+            aggregate_fn=TOKEN_MEAN,
+            kl_loss_fn=kl_fn,
+            kl_coef=0.01,
+            entropy_coef=0.001,
+            is_weights_fn=is_fn,
+        )
 
     def by_hand(model, mbs):
         """The step's loss and metrics from the same loss functions on a plain forward of ``model``,
@@ -164,7 +238,7 @@ def test_ppo_actor_step_lowers_policy_loss(dist_single, tiny_model_dir):
     clipped, tokens = 0, 0
     shifted = []
     for k, mb in enumerate(mbs):
-        cur = reference_logp(engine, mb)
+        cur = reference_logp(engine, _model_rows(mb))
         shift = torch.tensor(shifts)[torch.arange(cur.numel()) % len(shifts)].view(cur.shape)
         adv = torch.where(torch.arange(cur.numel()).view(cur.shape) % 4 < 2 - k, 1.0, -1.0)
         shifted.append({**mb, "old_logp": cur + shift, "advantages": adv})
@@ -186,18 +260,25 @@ def test_ppo_actor_step_lowers_policy_loss(dist_single, tiny_model_dir):
     assert r.metrics["kl"] > 1e-4
 
     with pytest.raises(ValueError, match="grad_accum_steps"):
-        ppo_actor_step(engine, mbs[:1], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
+        ppo_actor_step(engine, [PolicyBatch(**mbs[0])], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
+    typed = [PolicyBatch(**mb) for mb in mbs]
     with pytest.raises(ValueError, match="kl_coef"):
-        ppo_actor_step(engine, mbs, policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, kl_coef=0.1)
+        ppo_actor_step(engine, typed, policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, kl_coef=0.1)
 
 
 def test_aux_loss_coef_on_a_dense_model_names_the_option(dist_single, tiny_model_dir):
     engine = _engine(Actor(load_causal_lm(tiny_model_dir)))
     mb = _rows(1, 6, 0)
-    mb["old_logp"] = reference_logp(engine, mb)
+    mb["old_logp"] = reference_logp(engine, _model_rows(mb))
     mb["advantages"] = torch.ones(1, 6)
     with pytest.raises(ValueError, match="aux_loss_coef"):
-        ppo_actor_step(engine, [mb], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, aux_loss_coef=0.01)
+        ppo_actor_step(
+            engine,
+            [PolicyBatch(**mb)],
+            policy_loss_fn=policy_loss,
+            aggregate_fn=TOKEN_MEAN,
+            aux_loss_coef=0.01,
+        )
 
 
 def test_critic_step_lowers_value_loss(dist_single, tiny_model_dir):
@@ -212,7 +293,9 @@ def test_critic_step_lowers_value_loss(dist_single, tiny_model_dir):
     # old values off by a known amount: with clip_eps=10 the loss must not depend on them
     mb["old_values"] = (values + 0.5 * torch.randn(3, 8, generator=g)).float()
     vl = functools.partial(value_loss, clip_eps=10.0)
-    results = [critic_step(engine, [mb], value_loss_fn=vl, aggregate_fn=TOKEN_MEAN) for _ in range(6)]
+    results = [
+        critic_step(engine, [ValueBatch(**mb)], value_loss_fn=vl, aggregate_fn=TOKEN_MEAN) for _ in range(6)
+    ]
     m = mb["action_mask"]
     expected = 0.5 * ((values - mb["returns"].double()) ** 2)[m].mean()
     assert results[0].loss == pytest.approx(float(expected), rel=1e-5)
@@ -226,7 +309,7 @@ def test_sft_step_lowers_nll(dist_single, tiny_model_dir):
     mb = _rows(2, 12, 3)
     mb["loss_mask"] = mb.pop("action_mask")
     mb["loss_mask"][0, 9:] = False
-    results = [sft_step(engine, [mb], sft_loss_fn=sft_loss) for _ in range(6)]
+    results = [sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss) for _ in range(6)]
     nll = _plain_nll(tiny_model_dir, [mb])  # token mean over the 6 + 9 target tokens
     assert results[0].loss == pytest.approx(nll, rel=1e-5)
     assert results[0].metrics["nll"] == pytest.approx(nll, rel=1e-5)
@@ -240,7 +323,9 @@ def test_reward_model_step_separates_chosen_from_rejected(dist_single, tiny_mode
     # scores by hand: the head at each row's last token (no padding here), initial weights
     score = _plain_head(engine.module, mb)[:, -1]
     diff = score[:3] - score[3:]  # chosen - rejected, pair by pair
-    results = [reward_model_step(engine, [mb], pair_loss_fn=pairwise_rm_loss) for _ in range(6)]
+    results = [
+        reward_model_step(engine, [RewardBatch(**mb)], pair_loss_fn=pairwise_rm_loss) for _ in range(6)
+    ]
     assert results[0].loss == pytest.approx(float(-F.logsigmoid(diff).mean()), rel=1e-5)
     assert results[0].metrics["margin"] == pytest.approx(float(diff.mean()), abs=1e-5)
     assert results[0].metrics["accuracy"] == pytest.approx(float((diff > 0).double().mean()))
@@ -273,8 +358,11 @@ def test_dpo_step_lowers_dpo_loss(dist_single, tiny_model_dir):
     mb = _pairs(6)
     # rows: chosen 0, 1, then rejected 0, 1; the reference is the initial policy shifted by known offsets
     offsets = torch.tensor([0.5, -0.3, -0.4, 0.2])
-    mb["ref_logp"] = reference_sequence_logp(ref, mb) + offsets
-    results = [dpo_step(engine, [mb], dpo_loss_fn=functools.partial(dpo_loss, beta=0.1)) for _ in range(5)]
+    mb["ref_logp"] = reference_sequence_logp(ref, _model_rows(mb), mb["loss_mask"]) + offsets
+    results = [
+        dpo_step(engine, [DPOBatch(**mb)], dpo_loss_fn=functools.partial(dpo_loss, beta=0.1))
+        for _ in range(5)
+    ]
     # at the first step policy == reference + offsets, so h = (-0.5 - 0.4, 0.3 + 0.2) = (-0.9, 0.5)
     h = (-0.9, 0.5)
     by_hand = sum(math.log1p(math.exp(-0.1 * x)) for x in h) / 2  # mean of -log sigmoid(beta * h)
@@ -298,12 +386,12 @@ def test_kto_step_lowers_kto_loss(dist_single, tiny_model_dir):
     # the reference is the initial policy shifted by known offsets: at the first step the examples'
     # log-ratios are r = (-0.5, 0.6) and the reference point z0 = max(0, mean(0.4, 0.2)) = 0.3
     offsets = torch.tensor([0.5, -0.6, -0.4, -0.2])
-    mb["ref_logp"] = reference_sequence_logp(ref, mb) + offsets
+    mb["ref_logp"] = reference_sequence_logp(ref, _model_rows(mb), mb["loss_mask"]) + offsets
     mb["desirable"] = torch.tensor([True, False])
     step = functools.partial(
         kto_step, kto_loss_fn=functools.partial(kto_loss, beta=1.0), kl_baseline_fn=kto_kl_baseline
     )
-    results = [step(engine, [mb]) for _ in range(5)]
+    results = [step(engine, [KTOBatch(**mb)]) for _ in range(5)]
 
     def sigmoid(x):
         return 1 / (1 + math.exp(-x))
@@ -332,7 +420,7 @@ def test_accumulation_window_normalisation_matches_one_big_batch(dist_single, ti
         engine = strategy.prepare(
             Actor(load_causal_lm(tiny_model_dir)), optimizer=lambda p: torch.optim.SGD(p, lr=1.0)
         )
-        r = sft_step(engine, mbs, sft_loss_fn=sft_loss)
+        r = sft_step(engine, [SFTBatch(**mb) for mb in mbs], sft_loss_fn=sft_loss)
         states.append((r.loss, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
     assert states[0][0] == pytest.approx(states[1][0], abs=1e-6)
     assert states[0][0] == pytest.approx(_plain_nll(tiny_model_dir, [a, b]), rel=1e-5)  # 10 + 3 * 1 tokens
@@ -349,11 +437,11 @@ def test_torch_optimizer_passed_in_and_muon(dist_single, tiny_model_dir):
     mb = _rows(2, 8, 10)
     mb["loss_mask"] = mb.pop("action_mask")
     nll = _plain_nll(tiny_model_dir, [mb])
-    losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss), n=3)
+    losses = _run(lambda: sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss), n=3)
     assert losses[0] == pytest.approx(nll, rel=1e-5)
     assert losses[-1] < losses[0]
     muon = _engine(Actor(load_causal_lm(tiny_model_dir)), optimizer="muon", lr=2e-2)
-    losses = _run(lambda: sft_step(muon, [mb], sft_loss_fn=sft_loss), n=3)
+    losses = _run(lambda: sft_step(muon, [SFTBatch(**mb)], sft_loss_fn=sft_loss), n=3)
     assert losses[0] == pytest.approx(nll, rel=1e-5)
     assert losses[-1] < losses[0]
 
@@ -372,7 +460,7 @@ def test_offload_and_bf16_configurations_train(dist_single, tiny_model_dir, opts
     engine = strategy.prepare(Actor(load_causal_lm(tiny_model_dir, ds_config=strategy.ds_config())))
     mb = _rows(2, 10, 11)
     mb["loss_mask"] = mb.pop("action_mask")
-    losses = _run(lambda: sft_step(engine, [mb], sft_loss_fn=sft_loss), n=4)
+    losses = _run(lambda: sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss), n=4)
     # the first loss is the fp32 NLL of the initial weights (bf16 forward: within its rounding)
     nll = _plain_nll(tiny_model_dir, [mb])
     assert losses[0] == pytest.approx(nll, rel=2e-2 if opts.get("precision") == "bf16" else 1e-5)
@@ -414,7 +502,7 @@ def test_packed_micro_batch_gives_the_same_step_as_padded(dist_single, tiny_mode
         engine = strategy.prepare(
             Actor(load_causal_lm(tiny_model_dir)), optimizer=lambda p: torch.optim.SGD(p, lr=1.0)
         )
-        loss = sft_step(engine, [mb], sft_loss_fn=sft_loss).loss
+        loss = sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss).loss
         out.append((loss, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-5)
     for k in out[0][1]:
@@ -442,10 +530,14 @@ def test_moe_router_aux_loss_is_added_with_its_coefficient(dist_single, tmp_path
     losses = []
     for coef in (0.0, 1.0):
         engine = _engine(Actor(load_causal_lm(tmp_path / "moe")), lr=1e-6)
-        mb["old_logp"] = reference_logp(engine, mb)
+        mb["old_logp"] = reference_logp(engine, _model_rows(mb))
         mb["advantages"] = torch.ones(2, 8)
         r = ppo_actor_step(
-            engine, [mb], policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN, aux_loss_coef=coef
+            engine,
+            [PolicyBatch(**mb)],
+            policy_loss_fn=policy_loss,
+            aggregate_fn=TOKEN_MEAN,
+            aux_loss_coef=coef,
         )
         losses.append(r.loss)
     # Same weights and data, ratio 1 and advantage 1: the policy loss is -1 per token, and coef=1 adds the
@@ -477,4 +569,6 @@ def test_offloaded_zero3_reference_gives_the_plain_reference_logprobs(dist_singl
     )
     plain = load_reference(tiny_model_dir)
     mb = _rows(2, 9, 14)
-    torch.testing.assert_close(reference_logp(ref, mb), reference_logp(plain, mb), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        reference_logp(ref, _model_rows(mb)), reference_logp(plain, _model_rows(mb)), atol=1e-5, rtol=0
+    )

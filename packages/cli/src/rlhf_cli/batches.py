@@ -1,29 +1,39 @@
-"""Typed batches between the recipe and the learner groups: one sample, and one micro-batch type per
-update step (rows packed by default)."""
+"""Batches between the recipe and the learner groups: one sample (:class:`Sample`), and builders of
+rlhf-learner's typed micro-batch of each update step (rows packed where the step allows)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from rlhf_learner import pack_sequences
+from rlhf_learner import (
+    DPOBatch,
+    KTOBatch,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    ValueBatch,
+    pack_sequences,
+)
 
 if TYPE_CHECKING:
     from rlhf_cli.examples import Example, KTOExample, PreferencePair
 
 __all__ = [
-    "KTOBatch",
-    "PairBatch",
-    "PolicyBatch",
     "Rows",
-    "SFTBatch",
     "Sample",
-    "ValueBatch",
+    "dpo_batch",
     "example_rows",
+    "kto_batch",
     "pad_stack",
+    "policy_batch",
+    "reward_batch",
+    "sft_batch",
+    "sft_batch_from_examples",
     "to_rows",
+    "value_batch",
 ]
 
 
@@ -97,79 +107,49 @@ def pad_stack(values: Sequence[torch.Tensor], width: int | None = None) -> torch
     return out
 
 
-@dataclass(kw_only=True)
-class _StepBatch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
-
-    def step_input(self) -> dict[str, torch.Tensor]:
-        """The mapping rlhf-learner's update steps read (only the fields that are set)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-    @classmethod
-    def _rows(cls, samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool) -> dict:
-        seqs = []
-        for s in samples:
-            d = {"input_ids": s.token_ids}
-            for out_name, attr in per_token.items():
-                value = getattr(s, attr)
-                if value is None:
-                    raise ValueError(f"{cls.__name__}: sample has no {attr}")
-                d[out_name] = value
-            seqs.append(d)
-        return to_rows(seqs, packing=packing).tensors
+def _sample_rows(
+    samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str
+) -> dict[str, torch.Tensor]:
+    """Rows of ``samples``: ``input_ids`` plus, per ``{field: Sample attribute}``, that attribute."""
+    seqs = []
+    for s in samples:
+        d = {"input_ids": s.token_ids}
+        for out_name, attr in per_token.items():
+            value = getattr(s, attr)
+            if value is None:
+                raise ValueError(f"{what}: sample has no {attr}")
+            d[out_name] = value
+        seqs.append(d)
+    return to_rows(seqs, packing=packing).tensors
 
 
-@dataclass(kw_only=True)
-class PolicyBatch(_StepBatch):
-    """A micro-batch for ``ppo_actor_step``."""
-
-    action_mask: torch.Tensor
-    old_logp: torch.Tensor
-    advantages: torch.Tensor
-    ref_logp: torch.Tensor | None = None
-    rollout_logp: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls, samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
-    ) -> PolicyBatch:
-        per_token = {"action_mask": "action_mask", "old_logp": "old_logp", "advantages": "advantages"}
-        if with_ref:
-            per_token["ref_logp"] = "ref_logp"
-        if with_rollout:
-            per_token["rollout_logp"] = "rollout_logp"
-        return cls(**cls._rows(samples, per_token, packing=packing))
+def policy_batch(
+    samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
+) -> PolicyBatch:
+    """The micro-batch of ``ppo_actor_step`` (``ref_logp`` for a KL loss, ``rollout_logp`` for
+    importance-sampling correction)."""
+    per_token = {"action_mask": "action_mask", "old_logp": "old_logp", "advantages": "advantages"}
+    if with_ref:
+        per_token["ref_logp"] = "ref_logp"
+    if with_rollout:
+        per_token["rollout_logp"] = "rollout_logp"
+    return PolicyBatch(**_sample_rows(samples, per_token, packing=packing, what="policy_batch"))
 
 
-@dataclass(kw_only=True)
-class ValueBatch(_StepBatch):
-    """A micro-batch for ``critic_step``."""
-
-    action_mask: torch.Tensor
-    old_values: torch.Tensor
-    returns: torch.Tensor
-
-    @classmethod
-    def build(cls, samples: Sequence[Sample], *, packing: bool) -> ValueBatch:
-        per_token = {"action_mask": "action_mask", "old_values": "values", "returns": "returns"}
-        return cls(**cls._rows(samples, per_token, packing=packing))
+def value_batch(samples: Sequence[Sample], *, packing: bool) -> ValueBatch:
+    """The micro-batch of ``critic_step``."""
+    per_token = {"action_mask": "action_mask", "old_values": "values", "returns": "returns"}
+    return ValueBatch(**_sample_rows(samples, per_token, packing=packing, what="value_batch"))
 
 
-@dataclass(kw_only=True)
-class SFTBatch(_StepBatch):
-    """A micro-batch for ``sft_step``: the loss is on ``loss_mask`` tokens."""
+def sft_batch(samples: Sequence[Sample], *, packing: bool) -> SFTBatch:
+    """``sft_step`` on trajectories: the loss is on their sampled tokens."""
+    return SFTBatch(**_sample_rows(samples, {"loss_mask": "action_mask"}, packing=packing, what="sft_batch"))
 
-    loss_mask: torch.Tensor
 
-    @classmethod
-    def build(cls, samples: Sequence[Sample], *, packing: bool) -> SFTBatch:
-        return cls(**cls._rows(samples, {"loss_mask": "action_mask"}, packing=packing))
-
-    @classmethod
-    def from_examples(cls, examples: Sequence[Example], *, packing: bool) -> SFTBatch:
-        return cls(**example_rows(examples, packing=packing))
+def sft_batch_from_examples(examples: Sequence[Example], *, packing: bool) -> SFTBatch:
+    """``sft_step`` on training examples: the loss is on their ``loss_mask`` tokens."""
+    return SFTBatch(**example_rows(examples, packing=packing))
 
 
 def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, torch.Tensor]:
@@ -179,36 +159,30 @@ def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, tor
     ).tensors
 
 
-@dataclass(kw_only=True)
-class PairBatch(_StepBatch):
-    """A micro-batch for ``reward_model_step`` or ``dpo_step``: ``2P`` padded rows, the chosen responses
-    then the rejected ones (one row per sequence: the steps read one score or sum per row)."""
-
-    loss_mask: torch.Tensor
-    ref_logp: torch.Tensor | None = None
-    """``[2P]`` the reference's summed response log-probs (DPO)."""
-
-    @classmethod
-    def build(cls, pairs: Sequence[PreferencePair], *, ref_logp: torch.Tensor | None = None) -> PairBatch:
-        rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-        return cls(**example_rows(rows, packing=False), ref_logp=ref_logp)
+def _pair_rows(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:
+    """``2P`` padded rows, the chosen responses then the rejected ones (the steps read one score or
+    sum per row)."""
+    return example_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], packing=False)
 
 
-@dataclass(kw_only=True)
-class KTOBatch(_StepBatch):
-    """A micro-batch for ``kto_step``: ``N`` example rows then their ``N`` mismatched rows (padded)."""
+def reward_batch(pairs: Sequence[PreferencePair]) -> RewardBatch:
+    """The micro-batch of ``reward_model_step``."""
+    rows = _pair_rows(pairs)
+    return RewardBatch(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"])
 
-    loss_mask: torch.Tensor
-    ref_logp: torch.Tensor
-    """``[2N]`` the reference's summed response log-probs of every row."""
-    desirable: torch.Tensor
-    """``[N]`` bool."""
 
-    @classmethod
-    def build(cls, examples: Sequence[KTOExample], *, ref_logp: torch.Tensor) -> KTOBatch:
-        rows = [e.example for e in examples] + [e.mismatched for e in examples]
-        return cls(
-            **example_rows(rows, packing=False),
-            ref_logp=ref_logp,
-            desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool),
-        )
+def dpo_batch(pairs: Sequence[PreferencePair], *, ref_logp: torch.Tensor) -> DPOBatch:
+    """The micro-batch of ``dpo_step``; ``ref_logp`` ``[2P]``: the reference's summed response
+    log-probs, chosen then rejected."""
+    return DPOBatch(**_pair_rows(pairs), ref_logp=ref_logp)
+
+
+def kto_batch(examples: Sequence[KTOExample], *, ref_logp: torch.Tensor) -> KTOBatch:
+    """The micro-batch of ``kto_step``: ``N`` example rows then their ``N`` mismatched rows (padded);
+    ``ref_logp`` ``[2N]`` in that order."""
+    rows = [e.example for e in examples] + [e.mismatched for e in examples]
+    return KTOBatch(
+        **example_rows(rows, packing=False),
+        ref_logp=ref_logp,
+        desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+    )

@@ -13,12 +13,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from rlhf_learner import LoraOptions, ModelOptions, StepResult, StrategyOptions
+from rlhf_learner import (
+    DPOBatch,
+    KTOBatch,
+    LoraOptions,
+    ModelOptions,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    StepResult,
+    StrategyOptions,
+    ValueBatch,
+)
 
 if TYPE_CHECKING:
     from rlhf_cli.placement import Plan
 
-from rlhf_cli.batches import KTOBatch, PairBatch, PolicyBatch, SFTBatch, ValueBatch, to_rows
+from rlhf_cli.batches import to_rows
 
 __all__ = [
     "GroupSpec",
@@ -178,7 +189,7 @@ class LearnerWorker:
         kl_fn = functools.partial(approx_kl, estimator=s.kl_estimator) if s.kl_loss_coef else None
         return ppo_actor_step(
             self.engine,
-            [mb.step_input() for mb in micro_batches],
+            micro_batches,
             policy_loss_fn=loss_fn,
             aggregate_fn=functools.partial(aggregate_loss, mode=s.loss_agg, horizon=s.horizon),
             kl_loss_fn=kl_fn,
@@ -193,7 +204,7 @@ class LearnerWorker:
 
         return critic_step(
             self.engine,
-            [mb.step_input() for mb in micro_batches],
+            micro_batches,
             value_loss_fn=functools.partial(value_loss, clip_eps=clip_eps),
             aggregate_fn=functools.partial(aggregate_loss, mode="token-mean"),
         )
@@ -202,20 +213,18 @@ class LearnerWorker:
         from rlhf_algos import sft_loss
         from rlhf_learner import sft_step
 
-        return sft_step(self.engine, [mb.step_input() for mb in micro_batches], sft_loss_fn=sft_loss)
+        return sft_step(self.engine, micro_batches, sft_loss_fn=sft_loss)
 
-    def train_reward_model(self, *, micro_batches: list[PairBatch]) -> StepResult:
+    def train_reward_model(self, *, micro_batches: list[RewardBatch]) -> StepResult:
         from rlhf_algos import pairwise_rm_loss
         from rlhf_learner import reward_model_step
 
-        return reward_model_step(
-            self.engine, [mb.step_input() for mb in micro_batches], pair_loss_fn=pairwise_rm_loss
-        )
+        return reward_model_step(self.engine, micro_batches, pair_loss_fn=pairwise_rm_loss)
 
     def train_dpo(
         self,
         *,
-        micro_batches: list[PairBatch],
+        micro_batches: list[DPOBatch],
         loss: str,
         beta: float,
         label_smoothing: float,
@@ -225,9 +234,7 @@ class LearnerWorker:
         from rlhf_learner import dpo_step
 
         fn = functools.partial(dpo_loss, beta=beta, variant=loss, label_smoothing=label_smoothing)
-        return dpo_step(
-            self.engine, [mb.step_input() for mb in micro_batches], dpo_loss_fn=fn, nll_coef=nll_coef
-        )
+        return dpo_step(self.engine, micro_batches, dpo_loss_fn=fn, nll_coef=nll_coef)
 
     def train_kto(
         self,
@@ -245,7 +252,7 @@ class LearnerWorker:
         )
         return kto_step(
             self.engine,
-            [mb.step_input() for mb in micro_batches],
+            micro_batches,
             kto_loss_fn=fn,
             kl_baseline_fn=kto_kl_baseline,
         )
@@ -432,12 +439,12 @@ class LearnerGroup:
     def train_sft(self, per_rank: Sequence[list[SFTBatch]]) -> StepResult:
         return self._step("train_sft", per_rank)
 
-    def train_reward_model(self, per_rank: Sequence[list[PairBatch]]) -> StepResult:
+    def train_reward_model(self, per_rank: Sequence[list[RewardBatch]]) -> StepResult:
         return self._step("train_reward_model", per_rank)
 
     def train_dpo(
         self,
-        per_rank: Sequence[list[PairBatch]],
+        per_rank: Sequence[list[DPOBatch]],
         *,
         loss: str,
         beta: float,

@@ -15,6 +15,7 @@ from rlhf_rollout import (
     RewardFunction,
     SamplingParams,
     SingleTurnExecutor,
+    TokenGenerator,
 )
 from rlhf_rollout.rewards import import_python_file
 
@@ -66,7 +67,7 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
     if agent is not None and callable(getattr(agent, "make_env", None)):
         limit = cfg.vllm.max_model_len
 
-        def multi(engine: Any, params: SamplingParams) -> AgentExecutorBase:
+        def multi(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
             return MultiTurnExecutor(
                 engine=engine,
                 params=params,
@@ -83,7 +84,7 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
         else _reward_source(cfg)
     )
 
-    def single(engine: Any, params: SamplingParams) -> AgentExecutorBase:
+    def single(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
         return SingleTurnExecutor(engine=engine, params=params, tokenizer=tokenizer, reward=reward)
 
     return single

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from rlhf_learner import balance_micro_batches
 
-from rlhf_cli.batches import PolicyBatch, Sample, ValueBatch
+from rlhf_cli.batches import Sample, policy_batch, value_batch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.groups import LearnerGroup, PolicyLossSettings
 
@@ -66,7 +66,7 @@ def update_policy(
         actor,
         micro_batch_size=cfg.train.micro_batch_size,
         dynamic=cfg.train.dynamic_batch,
-        build=lambda part: PolicyBatch.build(
+        build=lambda part: policy_batch(
             part, packing=cfg.train.packing, with_ref=with_ref, with_rollout=with_rollout
         ),
     )
@@ -83,7 +83,7 @@ def update_critic(cfg: PPOConfig, samples: Sequence[Sample], critic: LearnerGrou
         critic,
         micro_batch_size=cfg.train.micro_batch_size,
         dynamic=cfg.train.dynamic_batch,
-        build=lambda part: ValueBatch.build(part, packing=cfg.train.packing),
+        build=lambda part: value_batch(part, packing=cfg.train.packing),
     )
     result = critic.train_value(batches, clip_eps=cfg.algo.clip.value_eps)
     return {"critic/loss": result.loss, **{f"critic/{k}": v for k, v in result.metrics.items()}}

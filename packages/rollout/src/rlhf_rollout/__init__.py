@@ -8,6 +8,7 @@ Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappe
 from rlhf_rollout.engine import (
     EngineCapabilities,
     RolloutEngine,
+    TokenGenerator,
     UnsupportedOperationError,
     WeightSyncRPC,
     check_prompts,
@@ -54,6 +55,7 @@ __all__ = [
     "SamplingParams",
     "SingleTurnExecutor",
     "StepResult",
+    "TokenGenerator",
     "Trajectory",
     "TransformersEngine",
     "UnsupportedOperationError",

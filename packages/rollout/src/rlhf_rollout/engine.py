@@ -11,6 +11,7 @@ from rlhf_rollout.types import Generation, SamplingParams
 __all__ = [
     "EngineCapabilities",
     "RolloutEngine",
+    "TokenGenerator",
     "UnsupportedOperationError",
     "WeightSyncRPC",
     "check_prompts",
@@ -37,6 +38,19 @@ class EngineCapabilities:
     """``load_weights(named_tensors)`` loads tensors handed over in this process."""
     notes: str = ""
     """Human-readable reasons for the ``False`` entries."""
+
+
+@runtime_checkable
+class TokenGenerator(Protocol):
+    """What an agent executor needs of an engine: a ``RolloutEngine``, or an ``EngineClient`` over
+    engines on Ray (which also offers ``agenerate``, awaited when present)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Generation]]: ...
 
 
 @runtime_checkable

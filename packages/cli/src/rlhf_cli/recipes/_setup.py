@@ -15,7 +15,7 @@ from rlhf_learner import StrategyOptions
 from rlhf_rollout import AgentExecutorBase, EngineClient, SamplingParams, create_engines
 
 from rlhf_cli import task
-from rlhf_cli.batches import Sample, SFTBatch
+from rlhf_cli.batches import Sample, sft_batch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data import PromptSet, encode_prompt, load_records
 from rlhf_cli.groups import GroupSpec, LearnerGroup, launch_groups, worker_env
@@ -313,6 +313,6 @@ def warmup(cfg: PPOConfig, c: Components) -> None:
             c.actor,
             micro_batch_size=cfg.train.micro_batch_size,
             dynamic=False,
-            build=lambda part: SFTBatch.build(part, packing=cfg.train.packing),
+            build=lambda part: sft_batch(part, packing=cfg.train.packing),
         )
         c.actor.train_sft(batches)

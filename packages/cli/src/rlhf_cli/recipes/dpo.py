@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from rlhf_algos import dpo_loss
 
-from rlhf_cli.batches import PairBatch
+from rlhf_cli.batches import dpo_batch
 from rlhf_cli.config import DPOConfig
 from rlhf_cli.examples import PreferencePair, load_pairs
 from rlhf_cli.placement import Plan
@@ -56,9 +56,7 @@ class DPOObjective(ReferenceObjective[PreferencePair]):
     display: Display = DPO_DISPLAY
 
     def step(self, per_rank: Sequence[Sequence[Sequence[PreferencePair]]]) -> dict[str, float]:
-        batches = [
-            [PairBatch.build(pairs, ref_logp=ref) for pairs, ref in mbs] for mbs in self._with_ref(per_rank)
-        ]
+        batches = [[dpo_batch(pairs, ref_logp=ref) for pairs, ref in mbs] for mbs in self._with_ref(per_rank)]
         a = self.cfg.algo
         res = self.groups.model.train_dpo(
             batches, loss=a.loss, beta=a.beta, label_smoothing=a.label_smoothing, nll_coef=a.nll_coef

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from rlhf_algos import kto_kl_baseline, kto_loss
 
-from rlhf_cli.batches import KTOBatch
+from rlhf_cli.batches import kto_batch
 from rlhf_cli.config import KTOConfig
 from rlhf_cli.examples import KTOExample, load_kto
 from rlhf_cli.placement import Plan
@@ -53,9 +53,7 @@ class KTOObjective(ReferenceObjective[KTOExample]):
     display: Display = KTO_DISPLAY
 
     def step(self, per_rank: Sequence[Sequence[Sequence[KTOExample]]]) -> dict[str, float]:
-        batches = [
-            [KTOBatch.build(items, ref_logp=ref) for items, ref in mbs] for mbs in self._with_ref(per_rank)
-        ]
+        batches = [[kto_batch(items, ref_logp=ref) for items, ref in mbs] for mbs in self._with_ref(per_rank)]
         a = self.cfg.algo
         res = self.groups.model.train_kto(
             batches, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight

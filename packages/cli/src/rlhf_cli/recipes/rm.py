@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_cli.batches import PairBatch
+from rlhf_cli.batches import reward_batch
 from rlhf_cli.config import RMConfig
 from rlhf_cli.examples import PreferencePair, load_pairs
 from rlhf_cli.placement import Plan
@@ -49,7 +49,7 @@ class RMObjective:
         return train, evals
 
     def step(self, per_rank: Sequence[Sequence[Sequence[PreferencePair]]]) -> dict[str, float]:
-        res = self.groups.model.train_reward_model([[PairBatch.build(mb) for mb in mbs] for mbs in per_rank])
+        res = self.groups.model.train_reward_model([[reward_batch(mb) for mb in mbs] for mbs in per_rank])
         return {
             "train/loss": res.loss,
             "train/accuracy": res.metrics["accuracy"],

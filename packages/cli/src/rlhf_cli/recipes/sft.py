@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlhf_cli.batches import SFTBatch
+from rlhf_cli.batches import sft_batch_from_examples
 from rlhf_cli.config import SFTConfig
 from rlhf_cli.examples import Example, load_sft
 from rlhf_cli.placement import Plan
@@ -39,7 +39,7 @@ class SFTObjective:
     def step(self, per_rank: Sequence[Sequence[Sequence[Example]]]) -> dict[str, float]:
         packing = self.cfg.train.packing
         res = self.groups.model.train_sft(
-            [[SFTBatch.from_examples(mb, packing=packing) for mb in mbs] for mbs in per_rank]
+            [[sft_batch_from_examples(mb, packing=packing) for mb in mbs] for mbs in per_rank]
         )
         return {
             "train/loss": res.loss,

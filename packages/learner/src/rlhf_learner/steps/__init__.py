@@ -1,10 +1,27 @@
 """Update steps: PPO actor and critic, SFT, reward model, DPO, KTO.
 
-Each step takes its loss function as an argument (the learner does not import rlhf-algos) and
-normalises the loss over the whole gradient-accumulation window and all data-parallel ranks.
+Each step takes typed micro-batches (``PolicyBatch``, ``ValueBatch``, ``SFTBatch``, ``RewardBatch``,
+``DPOBatch``, ``KTOBatch``: shapes checked when built) and its loss function as an argument (the
+learner does not import rlhf-algos), and normalises the loss over the whole gradient-accumulation window and all data-parallel ranks.
 """
 
-from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+from rlhf_learner.steps._window import (
+    StepResult,
+    TrainEngine,
+    WindowCounts,
+    loss_tensor,
+    masked_counts,
+    run_window,
+)
+from rlhf_learner.steps.batches import (
+    DPOBatch,
+    KTOBatch,
+    ModelRows,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    ValueBatch,
+)
 from rlhf_learner.steps.losses import (
     AggregateFn,
     DPOLossFn,
@@ -17,21 +34,29 @@ from rlhf_learner.steps.losses import (
     SFTLossFn,
     ValueLossFn,
 )
-from rlhf_learner.steps.ppo import critic_step, masked_counts, ppo_actor_step
+from rlhf_learner.steps.ppo import critic_step, ppo_actor_step
 from rlhf_learner.steps.reference import reference_logp, reference_sequence_logp
 from rlhf_learner.steps.supervised import dpo_step, kto_step, reward_model_step, sequence_logp, sft_step
 
 __all__ = [
     "AggregateFn",
+    "DPOBatch",
     "DPOLossFn",
     "ISWeightsFn",
     "KLBaselineFn",
     "KLLossFn",
+    "KTOBatch",
     "KTOLossFn",
+    "ModelRows",
     "PairLossFn",
+    "PolicyBatch",
     "PolicyLossFn",
+    "RewardBatch",
+    "SFTBatch",
     "SFTLossFn",
     "StepResult",
+    "TrainEngine",
+    "ValueBatch",
     "ValueLossFn",
     "WindowCounts",
     "critic_step",

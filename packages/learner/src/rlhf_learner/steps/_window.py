@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepResult", "WindowCounts", "all_gather_rows", "loss_tensor", "run_window"]
+from rlhf_learner.steps.batches import ModelRows
 
-Batch = Mapping[str, Any]
+__all__ = [
+    "StepResult",
+    "TrainEngine",
+    "WindowCounts",
+    "all_gather_rows",
+    "loss_tensor",
+    "masked_counts",
+    "run_window",
+]
+
+Batch = TypeVar("Batch", bound=ModelRows)
+
+
+class TrainEngine(Protocol):
+    """What the steps need of a training engine: a DeepSpeed engine wrapping the model (as
+    ``Strategy.prepare`` returns it). ``data_parallel_group`` and ``get_global_grad_norm()`` are read
+    when present."""
+
+    device: torch.device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> Any: ...
+
+    def step(self) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +70,12 @@ def loss_tensor(out: Any) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") and not isinstance(out, torch.Tensor) else out
 
 
-def _dp_group(engine: Any) -> Any:
+def _dp_group(engine: TrainEngine) -> Any:
     group = getattr(engine, "data_parallel_group", None)
     return group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
 
 
-def all_gather_rows(x: torch.Tensor, engine: Any) -> torch.Tensor:
+def all_gather_rows(x: torch.Tensor, engine: TrainEngine) -> torch.Tensor:
     """``x`` (``[n, ...]``, ``n`` may differ per rank) concatenated over the engine's data-parallel
     ranks in rank order; ``x`` itself without a process group. Detached (no gradient flows back)."""
     group = _dp_group(engine)
@@ -74,17 +100,25 @@ def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> li
     return t.tolist()
 
 
+def masked_counts(mask: torch.Tensor) -> tuple[float, float]:
+    """``count`` of :func:`run_window` for a ``[B, T]`` mask: masked tokens, and rows with at least one."""
+    m = mask.bool()
+    return float(m.sum()), float(m.any(-1).sum())
+
+
 def run_window(
-    engine: Any,
+    engine: TrainEngine,
     micro_batches: Sequence[Batch],
     *,
+    batch_type: type[Batch],
     count: Callable[[Batch], tuple[float, float]],
     compute: Callable[[Batch, WindowCounts], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     token_metrics: tuple[str, ...] = (),
 ) -> StepResult:
     """Run forward/backward on each micro-batch and one optimizer step.
 
-    Tensors of each micro-batch are moved to the engine's device first.
+    Each micro-batch must be a ``batch_type`` (the step's typed batch); it is moved to the engine's
+    device first.
     ``count(mb) -> (tokens, seqs)`` is summed over the window and all-reduced over the DP group
     once; ``compute(mb, counts) -> (loss, metrics)`` must return a loss already normalised by those
     global counts (so summing micro-batch gradients and averaging over ranks gives the gradient of the
@@ -97,12 +131,15 @@ def run_window(
         raise ValueError(
             f"micro_batches: got {len(micro_batches)}, the engine steps every {gas} (grad_accum_steps)"
         )
+    for i, mb in enumerate(micro_batches):
+        if not isinstance(mb, batch_type):
+            raise TypeError(
+                f"micro_batches[{i}]: got {type(mb).__name__}, this step takes {batch_type.__name__}"
+            )
     group = _dp_group(engine)
     dp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     device = engine.device
-    micro_batches = [
-        {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in micro_batches
-    ]
+    micro_batches = [mb.to(device) for mb in micro_batches]
     tokens, seqs = 0.0, 0.0
     for mb in micro_batches:
         t, s = count(mb)

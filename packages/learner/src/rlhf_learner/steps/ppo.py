@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlhf_learner.steps._window import StepResult, WindowCounts, loss_tensor, run_window
+from rlhf_learner.steps._window import (
+    StepResult,
+    TrainEngine,
+    WindowCounts,
+    loss_tensor,
+    masked_counts,
+    run_window,
+)
+from rlhf_learner.steps.batches import PolicyBatch, ValueBatch
 from rlhf_learner.steps.losses import AggregateFn, ISWeightsFn, KLLossFn, PolicyLossFn, ValueLossFn
 
-__all__ = ["AggregateFn", "critic_step", "masked_counts", "ppo_actor_step"]
-
-
-def masked_counts(mask_key: str) -> Callable[[Mapping[str, Any]], tuple[float, float]]:
-    """``count`` for :func:`run_window`: masked tokens and sequences with at least one masked token."""
-
-    def count(mb: Mapping[str, Any]) -> tuple[float, float]:
-        m = mb[mask_key].bool()
-        return float(m.sum()), float(m.any(-1).sum())
-
-    return count
-
-
-def _model_inputs(mb: Mapping[str, Any]) -> dict[str, Any]:
-    out = {"attention_mask": mb.get("attention_mask"), "position_ids": mb.get("position_ids")}
-    return {k: v for k, v in out.items() if v is not None}
+__all__ = ["critic_step", "ppo_actor_step"]
 
 
 def ppo_actor_step(
-    engine: Any,
-    micro_batches: Sequence[Mapping[str, Any]],
+    engine: TrainEngine,
+    micro_batches: Sequence[PolicyBatch],
     *,
     policy_loss_fn: PolicyLossFn,
     aggregate_fn: AggregateFn,
@@ -42,10 +35,9 @@ def ppo_actor_step(
 ) -> StepResult:
     """One PPO policy update over a gradient-accumulation window.
 
-    ``engine`` wraps an :class:`~rlhf_learner.models.Actor`. Each micro-batch holds ``input_ids``,
-    ``attention_mask`` or packed ``position_ids``, ``action_mask`` (tokens trained on), ``old_logp``,
-    ``advantages``; plus ``ref_logp`` with ``kl_loss_fn`` and ``rollout_logp`` with ``is_weights_fn``.
-    All per-token tensors are ``[B, T]`` aligned with ``input_ids`` (see ``Actor``).
+    ``engine`` wraps an :class:`~rlhf_learner.models.Actor`. Each micro-batch is a
+    :class:`~rlhf_learner.steps.PolicyBatch`, with ``ref_logp`` when ``kl_loss_fn`` is given and
+    ``rollout_logp`` when ``is_weights_fn`` is.
 
     Per token: ``policy_loss_fn(logp, old_logp, advantages, mask, **kw)`` (a tensor or a result with
     ``.loss``; ``kw`` has ``is_weights`` = ``is_weights_fn(old_logp, rollout_logp, mask)`` when set
@@ -55,30 +47,37 @@ def ppo_actor_step(
     """
     if kl_coef and kl_loss_fn is None:
         raise ValueError("kl_coef: set, but no kl_loss_fn was given")
+    for i, mb in enumerate(micro_batches):
+        if not isinstance(mb, PolicyBatch):
+            continue  # run_window names the wrong type
+        if kl_loss_fn is not None and mb.ref_logp is None:
+            raise ValueError(f"micro_batches[{i}].ref_logp: needed by kl_loss_fn, not set")
+        if is_weights_fn is not None and mb.rollout_logp is None:
+            raise ValueError(f"micro_batches[{i}].rollout_logp: needed by is_weights_fn, not set")
     gas = len(micro_batches)
 
-    def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = mb["action_mask"]
+    def compute(mb: PolicyBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = mb.action_mask
         out = engine(
-            mb["input_ids"],
-            **_model_inputs(mb),
+            mb.input_ids,
+            **mb.model_inputs(),
             return_entropy=entropy_coef != 0.0,
             return_aux_loss=aux_loss_coef != 0.0,
         )
         kw: dict[str, Any] = {}
         if is_weights_fn is not None:
-            kw["is_weights"] = is_weights_fn(mb["old_logp"], mb["rollout_logp"], mask)
+            kw["is_weights"] = is_weights_fn(mb.old_logp, mb.rollout_logp, mask)
         if entropy_coef:
             kw["entropy"] = out.entropy
             kw["entropy_coef"] = entropy_coef
-        res = policy_loss_fn(out.logp, mb["old_logp"], mb["advantages"], mask, **kw)
+        res = policy_loss_fn(out.logp, mb.old_logp, mb.advantages, mask, **kw)
         per_token = loss_tensor(res)
         mf = mask.to(per_token.dtype)
         metrics = {"policy_loss": (per_token * mf).sum()}
         if getattr(res, "clipped", None) is not None:
             metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
         if kl_loss_fn is not None:
-            kl = kl_loss_fn(out.logp, mb["ref_logp"]) * mf
+            kl = kl_loss_fn(out.logp, mb.ref_logp) * mf
             metrics["kl"] = kl.sum()
             if kl_coef:
                 per_token = per_token + kl_coef * kl
@@ -96,30 +95,31 @@ def ppo_actor_step(
     return run_window(
         engine,
         micro_batches,
-        count=masked_counts("action_mask"),
+        batch_type=PolicyBatch,
+        count=lambda mb: masked_counts(mb.action_mask),
         compute=compute,
         token_metrics=("policy_loss", "clip_frac", "kl", "entropy"),
     )
 
 
 def critic_step(
-    engine: Any,
-    micro_batches: Sequence[Mapping[str, Any]],
+    engine: TrainEngine,
+    micro_batches: Sequence[ValueBatch],
     *,
     value_loss_fn: ValueLossFn,
     aggregate_fn: AggregateFn,
 ) -> StepResult:
-    """One critic update. ``engine`` wraps a :class:`~rlhf_learner.models.Critic`; micro-batches hold
-    ``input_ids``, ``attention_mask`` / ``position_ids``, ``action_mask``, ``old_values``, ``returns``.
-    Per token: ``value_loss_fn(values, old_values, returns, mask)``, reduced by ``aggregate_fn``.
+    """One critic update. ``engine`` wraps a :class:`~rlhf_learner.models.Critic`; each micro-batch is a
+    :class:`~rlhf_learner.steps.ValueBatch`. Per token: ``value_loss_fn(values, old_values, returns,
+    mask)``, reduced by ``aggregate_fn``.
 
     ``values[:, t]`` is ``Critic``'s output: the value of the state before token ``t``, aligned with
     the actor's log-probs, the positions GAE's advantages and returns are computed at."""
 
-    def compute(mb: Mapping[str, Any], c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = mb["action_mask"]
-        values = engine(mb["input_ids"], **_model_inputs(mb))
-        per_token = value_loss_fn(values, mb["old_values"], mb["returns"], mask)
+    def compute(mb: ValueBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = mb.action_mask
+        values = engine(mb.input_ids, **mb.model_inputs())
+        per_token = value_loss_fn(values, mb.old_values, mb.returns, mask)
         mf = mask.to(per_token.dtype)
         loss = aggregate_fn(
             per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
@@ -129,7 +129,8 @@ def critic_step(
     return run_window(
         engine,
         micro_batches,
-        count=masked_counts("action_mask"),
+        batch_type=ValueBatch,
+        count=lambda mb: masked_counts(mb.action_mask),
         compute=compute,
         token_metrics=("value_loss", "values"),
     )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_rollout.engine import TokenGenerator
 from rlhf_rollout.types import Generation, SamplingParams
 
 __all__ = ["AgentExecutorBase", "Trajectory", "agenerate"]
@@ -74,7 +75,7 @@ class Trajectory:
 
 
 async def agenerate(
-    engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams
+    engine: TokenGenerator, prompts: Sequence[Sequence[int]], params: SamplingParams
 ) -> list[list[Generation]]:
     """Await ``engine.agenerate`` when it exists (Ray client); otherwise run the blocking
     ``engine.generate`` in a thread, one call at a time per engine (local engines are not re-entrant)."""
@@ -95,7 +96,7 @@ engine is garbage-collected (engines that cannot be weakly referenced keep their
 _LOCKS_GUARD = threading.Lock()
 
 
-def _engine_lock(engine: Any) -> threading.Lock:
+def _engine_lock(engine: TokenGenerator) -> threading.Lock:
     key = id(engine)
     with _LOCKS_GUARD:
         lock = _LOCKS.get(key)
@@ -107,10 +108,9 @@ def _engine_lock(engine: Any) -> threading.Lock:
 
 
 class AgentExecutorBase(ABC):
-    """Turns prompts into :class:`Trajectory` s using an engine (anything with ``generate`` or
-    ``agenerate`` taking ``(prompts, params)``)."""
+    """Turns prompts into :class:`Trajectory` s using an engine (a :class:`TokenGenerator`)."""
 
-    def __init__(self, *, engine: Any, params: SamplingParams) -> None:
+    def __init__(self, *, engine: TokenGenerator, params: SamplingParams) -> None:
         self.engine = engine
         self.params = params
 
@@ -127,7 +127,7 @@ class AgentExecutorBase(ABC):
         return asyncio.run(self.arun(prompts, labels=labels))
 
 
-def engine_max_model_len(engine: Any) -> int:
+def engine_max_model_len(engine: TokenGenerator) -> int:
     """``engine.max_model_len`` for local engines (a property) and clients alike."""
     value = engine.max_model_len
     return int(value() if callable(value) else value)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rlhf_rollout.engine import TokenGenerator
 from rlhf_rollout.executors.base import (
     AgentExecutorBase,
     Trajectory,
@@ -74,7 +75,7 @@ class MultiTurnExecutor(AgentExecutorBase):
     def __init__(
         self,
         *,
-        engine: Any,
+        engine: TokenGenerator,
         params: SamplingParams,
         tokenizer: Any,
         env_factory: Callable[[], AgentEnv],

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from rlhf_rollout.engine import TokenGenerator
 from rlhf_rollout.executors.base import (
     AgentExecutorBase,
     Trajectory,
@@ -33,7 +34,7 @@ class SingleTurnExecutor(AgentExecutorBase):
     def __init__(
         self,
         *,
-        engine: Any,
+        engine: TokenGenerator,
         params: SamplingParams,
         tokenizer: Any,
         reward: RewardSource | None = None,

@@ -1,0 +1,171 @@
+"""Typed micro-batches: one type per update step, checked when built.
+
+Every batch is a set of token rows, right-padded (``attention_mask``) or packed (``position_ids``
+restarting per sequence), plus the per-token (``[B, T]``) and per-row (``[B]``) fields its step reads.
+Per-token fields are aligned with ``input_ids``: column ``t`` describes token ``t`` (see ``Actor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
+import torch
+
+__all__ = [
+    "DPOBatch",
+    "KTOBatch",
+    "ModelRows",
+    "PolicyBatch",
+    "RewardBatch",
+    "SFTBatch",
+    "ValueBatch",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRows:
+    """Token rows as a model reads them. Subclasses add the fields of one step."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` token ids."""
+    attention_mask: torch.Tensor | None = None
+    """``[B, T]`` 1 on real tokens (right-padded rows)."""
+    position_ids: torch.Tensor | None = None
+    """``[B, T]`` positions restarting at 0 per sequence (packed rows)."""
+
+    per_row: ClassVar[tuple[str, ...]] = ()
+    """Fields that hold one value per row, or per row group (checked by ``_check_rows``)."""
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__}.input_ids: expected [B, T], got {tuple(self.input_ids.shape)}"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "input_ids" or f.name in self.per_row or value is None:
+                continue
+            if tuple(value.shape) != tuple(self.input_ids.shape):
+                raise ValueError(
+                    f"{type(self).__name__}.{f.name}: shape {tuple(value.shape)}, "
+                    f"input_ids has {tuple(self.input_ids.shape)}"
+                )
+        self._check_rows()
+
+    def _check_rows(self) -> None:
+        """Per-row field checks of a subclass."""
+
+    def _expect_rows(self, name: str, n: int) -> None:
+        value = getattr(self, name)
+        if value is not None and tuple(value.shape) != (n,):
+            raise ValueError(f"{type(self).__name__}.{name}: shape {tuple(value.shape)}, expected ({n},)")
+
+    def _paired_rows(self) -> int:
+        """Half the row count (pairs: chosen then rejected; KTO: examples then mismatched rows). These
+        steps read one score or sum per row, so rows hold one sequence each: padded, not packed."""
+        if self.position_ids is not None:
+            raise ValueError(
+                f"{type(self).__name__}.position_ids: rows hold one sequence each (pad, do not pack)"
+            )
+        rows = self.input_ids.shape[0]
+        if rows % 2:
+            raise ValueError(f"{type(self).__name__}.input_ids: {rows} rows, expected an even count")
+        return rows // 2
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of a model call besides ``input_ids`` (the masks that are set)."""
+        out = {"attention_mask": self.attention_mask, "position_ids": self.position_ids}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def to(self, device: torch.device | str) -> Self:
+        """A copy with every tensor on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.ppo_actor_step`."""
+
+    action_mask: torch.Tensor
+    """True on the tokens the policy sampled (trained on)."""
+    old_logp: torch.Tensor
+    """Log-probs under the policy before this update."""
+    advantages: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    """Reference log-probs (for a KL loss)."""
+    rollout_logp: torch.Tensor | None = None
+    """The sampling engine's log-probs (for importance-sampling correction)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.critic_step`."""
+
+    action_mask: torch.Tensor
+    old_values: torch.Tensor
+    """The critic's values before this update (for value clipping)."""
+    returns: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.sft_step`."""
+
+    loss_mask: torch.Tensor
+    """True on the target tokens."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.reward_model_step`: ``2P`` padded rows, the ``P``
+    chosen sequences then the ``P`` rejected ones."""
+
+    margin: torch.Tensor | None = None
+    """``[P]`` optional margins of the pairs."""
+
+    per_row: ClassVar[tuple[str, ...]] = ("margin",)
+
+    def _check_rows(self) -> None:
+        self._expect_rows("margin", self._paired_rows())
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.dpo_step`: ``2P`` padded rows, chosen then rejected."""
+
+    loss_mask: torch.Tensor
+    """True on the response tokens."""
+    ref_logp: torch.Tensor
+    """``[2P]`` the reference model's summed response log-probs of every row."""
+
+    per_row: ClassVar[tuple[str, ...]] = ("ref_logp",)
+
+    def _check_rows(self) -> None:
+        self._expect_rows("ref_logp", 2 * self._paired_rows())
+
+
+@dataclass(frozen=True, kw_only=True)
+class KTOBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.kto_step`: ``N`` example rows, then ``N`` mismatched
+    rows (prompt ``i`` with another example's response) for the KL reference point."""
+
+    loss_mask: torch.Tensor
+    """True on the response tokens."""
+    ref_logp: torch.Tensor
+    """``[2N]`` the reference model's summed response log-probs of every row."""
+    desirable: torch.Tensor
+    """``[N]`` bool: whether each example is desirable."""
+
+    per_row: ClassVar[tuple[str, ...]] = ("ref_logp", "desirable")
+
+    def _check_rows(self) -> None:
+        n = self._paired_rows()
+        self._expect_rows("ref_logp", 2 * n)
+        self._expect_rows("desirable", n)
