@@ -1,6 +1,6 @@
 """GAE: rlhf_algos.gae against the usual reversed Python loop over time steps.
 
-Run: uv run --no-sync python benchmarks/algos_gae.py [--repeats 7]
+Run: uv run python benchmarks/algos_gae.py [--repeats 7]
 Prints the median wall time of each, the speed-up, and the largest relative difference.
 """
 

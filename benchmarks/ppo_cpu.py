@@ -1,6 +1,6 @@
 """Where a PPO step's time goes on CPU: the per-step split of `rlhf ppo` on the tiny and the ~25M model.
 
-Run: uv run --no-sync python benchmarks/ppo_cpu.py [--models tiny,small] [--steps 6]
+Run: uv run python benchmarks/ppo_cpu.py [--models tiny,small] [--steps 6]
 
 Each model trains on the built-in task (its prompts and reward) with a reference group (KL in the reward)
 and one vLLM-CPU engine: 16 prompts x 8 samples, <= 32 new tokens, packed micro-batches of 32, ZeRO-2.

@@ -1,6 +1,6 @@
 """Rollout throughput on CPU: our engine wrappers against the raw engines they wrap.
 
-Run: uv run --no-sync python benchmarks/rollout_cpu.py [--models tiny,small] [--repeats 3]
+Run: uv run python benchmarks/rollout_cpu.py [--models tiny,small] [--repeats 3]
 
 For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both random, float32):
 32 prompts x 4 samples x up to 64 new tokens, temperature 1, EOS allowed (ragged lengths), timed as

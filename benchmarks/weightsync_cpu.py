@@ -1,6 +1,6 @@
 """Weight sync on CPU: memcpy (the limit) vs shm vs bucketed gloo vs per-parameter gloo broadcasts.
 
-Run: uv run --no-sync python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
+Run: uv run python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
      [--receiver-threads N]
      [--methods shm,shm delivery,gloo,gloo delivery,gloo raw,per-param openrlhf,per-param gloo]
 

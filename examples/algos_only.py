@@ -1,7 +1,7 @@
 """rlhf-algos alone (torch is its only dependency): GRPO-style advantages and the clipped policy loss
 on a toy batch, the way any trainer can use them.
 
-    uv run --no-sync python examples/algos_only.py
+    uv run python examples/algos_only.py
 """
 
 from __future__ import annotations

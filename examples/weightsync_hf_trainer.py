@@ -3,7 +3,7 @@ weights to a running rollout engine after every optimizer step. The engine is rl
 ``TransformersEngine`` in a second process, built with rlhf-weightsync's worker extension, as
 ``rlhf ppo --rollout.backend transformers`` runs it; at the end it decodes what the trained model does.
 
-    uv run --no-sync python examples/weightsync_hf_trainer.py
+    uv run python examples/weightsync_hf_trainer.py
 """
 
 from __future__ import annotations

