@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from rlhf_weightsync._endpoint import Endpoint, check_transport_name
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.checksum import word_sum
 from rlhf_weightsync.errors import ChecksumError, WeightSyncError
 from rlhf_weightsync.layout import Manifest, TensorSpec
 from rlhf_weightsync.stats import SyncStats
-from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
+from rlhf_weightsync.transport import Transport, TransportName
 
 __all__ = ["LoadFn", "WeightReceiver"]
 
@@ -20,7 +21,7 @@ LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 """Called once per sync with an iterator over ``(name, tensor)``; must consume it to the end."""
 
 
-class WeightReceiver:
+class WeightReceiver(Endpoint):
     """Rank ``rank`` (>= 1) of a sync group: receives what the sender (rank 0) ships.
 
     Construction is collective (see :class:`~rlhf_weightsync.sender.WeightSender`); the transport
@@ -40,11 +41,10 @@ class WeightReceiver:
         connect_timeout_s: float | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport: unknown {transport!r}; expected one of {TRANSPORTS}")
+        check_transport_name(transport)
         if rank == 0:
             raise ValueError("rank: 0 is the sender's rank; receivers use 1 .. world_size - 1")
-        self._rdv = Rendezvous(
+        rdv = Rendezvous(
             master_addr=master_addr,
             master_port=master_port,
             rank=rank,
@@ -53,11 +53,7 @@ class WeightReceiver:
             connect_timeout_s=connect_timeout_s,
             info={"transport": transport},
         )
-        bucket_bytes = self._rdv.sender_info["bucket_bytes"]
-        self._transport = open_transport(transport, self._rdv, bucket_bytes=bucket_bytes, device=device)
-        self._sync = 0
-        self._closed = False
-        self._broken: str | None = None
+        self._open(transport, rdv, bucket_bytes=rdv.sender_info["bucket_bytes"], device=device)
         # Where tensors split across buckets are assembled; kept between syncs on CPU (a fresh
         # allocation per sync would page-fault through the largest tensors every time).
         self._scratch: list[torch.Tensor] = []
@@ -65,11 +61,6 @@ class WeightReceiver:
     @property
     def rank(self) -> int:
         return self._rdv.rank
-
-    @property
-    def transport(self) -> Transport:
-        """The underlying transport (exposed for inspection and fault injection in tests)."""
-        return self._transport
 
     def receive(self, load_fn: LoadFn, *, timeout_s: float | None = None, aliases: bool = True) -> SyncStats:
         """Receive one sync and feed it to ``load_fn``; return its stats once the sender has been told.
@@ -142,18 +133,6 @@ class WeightReceiver:
             num_bytes=manifest.payload_bytes,
             seconds=time.perf_counter() - t0,
         )
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._transport.close()
-            self._rdv.close()
-
-    def __enter__(self) -> WeightReceiver:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class _BucketStream:

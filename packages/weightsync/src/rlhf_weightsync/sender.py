@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from rlhf_weightsync._endpoint import Endpoint, check_transport_name
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.checksum import WORD, align, word_sum
 from rlhf_weightsync.errors import WeightSyncError
@@ -21,7 +22,7 @@ from rlhf_weightsync.layout import (
     plan_buckets,
 )
 from rlhf_weightsync.stats import SyncStats
-from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
+from rlhf_weightsync.transport import TransportName
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender", "gather_along"]
 
@@ -39,7 +40,7 @@ GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
 ``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3. Applied once per bucket."""
 
 
-class WeightSender:
+class WeightSender(Endpoint):
     """Rank 0 of a sync group: ships weights to ``world_size - 1`` receivers.
 
     Construction is collective: it hosts the group's TCPStore at ``master_addr:master_port``, waits
@@ -65,12 +66,11 @@ class WeightSender:
         bucket_bytes: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport: unknown {transport!r}; expected one of {TRANSPORTS}")
+        check_transport_name(transport)
         bucket_bytes = DEFAULT_BUCKET_BYTES[transport] if bucket_bytes is None else bucket_bytes
         check_bucket_bytes(bucket_bytes)
         self.bucket_bytes = bucket_bytes
-        self._rdv = Rendezvous(
+        rdv = Rendezvous(
             master_addr=master_addr,
             master_port=master_port,
             rank=0,
@@ -79,16 +79,8 @@ class WeightSender:
             connect_timeout_s=connect_timeout_s,
             info={"transport": transport, "bucket_bytes": bucket_bytes},
         )
-        self._transport = open_transport(transport, self._rdv, bucket_bytes=bucket_bytes, device=device)
-        self._sync = 0
+        self._open(transport, rdv, bucket_bytes=bucket_bytes, device=device)
         self._version = 0
-        self._closed = False
-        self._broken: str | None = None
-
-    @property
-    def transport(self) -> Transport:
-        """The underlying transport (exposed for inspection and fault injection in tests)."""
-        return self._transport
 
     @property
     def version(self) -> int:
@@ -176,19 +168,6 @@ class WeightSender:
             num_bytes=manifest.payload_bytes,
             seconds=time.perf_counter() - t0,
         )
-
-    def close(self) -> None:
-        """Release the transport and stop hosting the store (receivers waiting on it then fail)."""
-        if not self._closed:
-            self._closed = True
-            self._transport.close()
-            self._rdv.close()
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def gather_along(

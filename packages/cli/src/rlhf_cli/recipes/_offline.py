@@ -4,7 +4,6 @@ reference) -> train (batch -> per-rank micro-batches -> update step -> evaluate 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from rlhf_cli.placement import (
     placement_groups,
     start_ray,
 )
+from rlhf_cli.recipes._session import run_session
 from rlhf_cli.tracking import Display, Tracker
 
 __all__ = [
@@ -367,14 +367,12 @@ def run_offline(
     num_params = count_params(model_dir)
     if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):  # a plan that cannot fit fails first
         make_offline_plan(cfg, local_resources(cfg), num_params=num_params, with_ref=with_ref)
-    resources, started_ray = start_ray(cfg)
-    groups: Groups | None = None
-    tracker: Tracker | None = None
-    try:
-        plan = make_offline_plan(cfg, resources, num_params=num_params, with_ref=with_ref)
+    with run_session(cfg) as session:
+        plan = make_offline_plan(cfg, session.resources, num_params=num_params, with_ref=with_ref)
         groups = _start_groups(
             cfg, plan, placement_groups(plan, timeout_s=cfg.ray.timeout_s), model_dir, role=role
         )
+        session.stop_at_exit(groups.shutdown)
         objective = make_objective(groups)
         state = RunState(cursor=PromptCursor())
         if found is not None:
@@ -382,7 +380,7 @@ def run_offline(
         train_items, eval_items = objective.prepare(train_items, eval_items)
         train_set = ExampleSet(items=train_items, seed=cfg.train.seed, cursor=state.cursor)
         steps = total_steps(cfg, len(train_items))
-        tracker = Tracker(
+        tracker = session.tracker = Tracker(
             run_dir,
             tensorboard=cfg.logger.tensorboard,
             wandb_project=cfg.logger.wandb_project,
@@ -426,15 +424,3 @@ def run_offline(
             history=tracker.history,
             summary=summary,
         )
-    except BaseException:
-        if tracker is not None:
-            with contextlib.suppress(Exception):  # the groups and Ray below are stopped regardless
-                tracker.stop(failed=True)
-        raise
-    finally:
-        if groups is not None:
-            groups.shutdown()
-        if started_ray:
-            import ray
-
-            ray.shutdown()

@@ -3,7 +3,6 @@ experience -> updates -> sync -> log -> checkpoint, each step) -> clean-up (expo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import queue
@@ -29,7 +28,8 @@ from rlhf_cli.config import PPOConfig, dump_yaml
 from rlhf_cli.data import PromptCursor
 from rlhf_cli.experience import make_experience
 from rlhf_cli.placement import Plan, count_params, local_resources, make_plan, placement_groups, start_ray
-from rlhf_cli.recipes._setup import Components, evaluate, load_prompts, start_components, warmup
+from rlhf_cli.recipes._session import run_session
+from rlhf_cli.recipes._setup import evaluate, load_prompts, start_components, warmup
 from rlhf_cli.rollout_stage import RolloutBatch, RolloutStage
 from rlhf_cli.sources import executor_factory
 from rlhf_cli.tracking import Tracker
@@ -94,13 +94,11 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         make_plan(
             cfg, local_resources(cfg), num_params=num_params
         )  # a plan that cannot fit fails before start-up
-    resources, started_ray = start_ray(cfg)
-    c: Components | None = None
-    tracker: Tracker | None = None
-    try:
-        layout = make_plan(cfg, resources, num_params=num_params)
+    with run_session(cfg) as session:
+        layout = make_plan(cfg, session.resources, num_params=num_params)
         pgs = placement_groups(layout, timeout_s=cfg.ray.timeout_s, skip=("engines",) if engines else ())
         c = start_components(cfg, layout, pgs, model_dir, tokenizer, engines=engines)
+        session.stop_at_exit(c.shutdown)
         make_executor = functools.partial(executors, c.engines)
         state = RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef)
         if found is not None:
@@ -115,7 +113,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         )
         c.sync.push(version=state.weight_version or 1)  # a resumed run re-sends the version it had
         rollout = RolloutStage(cfg, make_executor=make_executor, prompts=train_set, reward_model=c.reward)
-        tracker = Tracker(
+        tracker = session.tracker = Tracker(
             run_dir,
             tensorboard=cfg.logger.tensorboard,
             wandb_project=cfg.logger.wandb_project,
@@ -169,15 +167,3 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         c.actor.export(directory=str(final), tokenizer_path=str(model_dir))
         summary = tracker.close()
         return PPOResult(run_dir=run_dir, final_model=final, history=tracker.history, summary=summary)
-    except BaseException:
-        if tracker is not None:
-            with contextlib.suppress(Exception):  # the groups and Ray below are stopped regardless
-                tracker.stop(failed=True)
-        raise
-    finally:
-        if c is not None:
-            c.shutdown()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
