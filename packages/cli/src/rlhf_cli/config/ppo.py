@@ -92,6 +92,11 @@ class PPOConfig(Section):
             )
         if not est.uses_critic and self.critic.enable:
             raise ValueError(f"--critic.enable: the estimator {est.name} uses no critic (only gae does)")
+        if self.algo.loss_agg != "token-mean" and self.train.packing:
+            raise ValueError(
+                f"--algo.loss_agg {self.algo.loss_agg} averages over sequences, but --train.packing puts "
+                "several in one row: add --train.packing false"
+            )
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
         ranks = self.actor.world_size
         per_rank, rest = divmod(self.samples_per_step, ranks)

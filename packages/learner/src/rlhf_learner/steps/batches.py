@@ -1,7 +1,8 @@
 """Typed micro-batches: one type per update step, checked when built.
 
 Every batch is a set of token rows, right-padded (``attention_mask``) or packed (``position_ids``
-restarting per sequence), plus the per-token (``[B, T]``) and per-row (``[B]``) fields its step reads.
+restarting per sequence), plus the per-token (``[B, T]``) and per-row or per-pair fields its step reads.
+Batches compare by identity (``eq=False``: tensors have no single truth value).
 Per-token fields are aligned with ``input_ids``: column ``t`` describes token ``t`` (see ``Actor``).
 """
 
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class ModelRows:
     """Token rows as a model reads them. Subclasses add the fields of one step."""
 
@@ -39,12 +40,19 @@ class ModelRows:
     """Fields that hold one value per row, or per row group (checked by ``_check_rows``)."""
 
     def __post_init__(self) -> None:
-        if self.input_ids.dim() != 2:
-            raise ValueError(
-                f"{type(self).__name__}.input_ids: expected [B, T], got {tuple(self.input_ids.shape)}"
+        if not isinstance(self.input_ids, torch.Tensor) or self.input_ids.dim() != 2:
+            got = (
+                tuple(self.input_ids.shape)
+                if isinstance(self.input_ids, torch.Tensor)
+                else type(self.input_ids)
             )
+            raise ValueError(f"{type(self).__name__}.input_ids: expected a [B, T] tensor, got {got}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{type(self).__name__}.{f.name}: expected a tensor, got {type(value).__name__}"
+                )
             if f.name == "input_ids" or f.name in self.per_row or value is None:
                 continue
             if tuple(value.shape) != tuple(self.input_ids.shape):
@@ -89,7 +97,7 @@ class ModelRows:
         return dataclasses.replace(self, **moved)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class PolicyBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.ppo_actor_step`."""
 
@@ -104,7 +112,7 @@ class PolicyBatch(ModelRows):
     """The sampling engine's log-probs (for importance-sampling correction)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class ValueBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.critic_step`."""
 
@@ -114,7 +122,7 @@ class ValueBatch(ModelRows):
     returns: torch.Tensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class SFTBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.sft_step`."""
 
@@ -122,7 +130,7 @@ class SFTBatch(ModelRows):
     """True on the target tokens."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class RewardBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.reward_model_step`: ``2P`` padded rows, the ``P``
     chosen sequences then the ``P`` rejected ones."""
@@ -136,7 +144,7 @@ class RewardBatch(ModelRows):
         self._expect_rows("margin", self._paired_rows())
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class DPOBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.dpo_step`: ``2P`` padded rows, chosen then rejected."""
 
@@ -151,7 +159,7 @@ class DPOBatch(ModelRows):
         self._expect_rows("ref_logp", 2 * self._paired_rows())
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class KTOBatch(ModelRows):
     """A micro-batch of :func:`~rlhf_learner.steps.kto_step`: ``N`` example rows, then ``N`` mismatched
     rows (prompt ``i`` with another example's response) for the KL reference point."""

@@ -128,9 +128,8 @@ class AgentExecutorBase(ABC):
 
 
 def engine_max_model_len(engine: TokenGenerator) -> int:
-    """``engine.max_model_len`` for local engines (a property) and clients alike."""
-    value = engine.max_model_len
-    return int(value() if callable(value) else value)
+    """``engine.max_model_len`` (a property of local engines and of ``EngineClient``)."""
+    return int(engine.max_model_len)
 
 
 def check_prompt_lengths(
