@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -162,53 +162,56 @@ def _limits(data: ExampleData) -> Limits:
     return Limits(max_len=data.max_len, max_samples=data.max_samples)
 
 
-def _finish(out: list, dropped: int, path: Path, flag: str, limits: Limits) -> None:
+def _keep(items: Iterable[tuple[E, int]], path: Path, flag: str, limits: Limits) -> list[E]:
+    """``(item, its longest sequence)`` pairs: the first ``--data.max_samples`` items within
+    ``--data.max_len`` (the longer ones are skipped and counted); an error if none is left."""
+    out: list[E] = []
+    dropped = 0
+    for item, length in items:
+        if length > limits.max_len:
+            dropped += 1
+            continue
+        out.append(item)
+        if limits.max_samples and len(out) >= limits.max_samples:
+            break
     if not out:
         more = f" ({dropped} longer than --data.max_len {limits.max_len})" if dropped else ""
         raise ValueError(f"{flag}: {str(path)!r} holds no usable examples{more}")
     if dropped:
         print(f"{path}: skipped {dropped} example(s) longer than --data.max_len {limits.max_len}")
+    return out
 
 
 def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.path") -> list[Example]:
     """SFT examples; ``data`` names the keys (``--data.*``)."""
     prompt_key, response_key, messages_key = data.prompt_key, data.response_key, data.messages_key
-    apply_chat_template, train_on_prompt, limits = (
-        data.apply_chat_template,
-        data.train_on_prompt,
-        _limits(data),
-    )
-    out: list[Example] = []
-    dropped = 0
-    for src, row in _rows(path, flag):
-        try:
-            if messages_key in row and response_key not in row:
-                msgs = row[messages_key]
-                if not _messages(msgs):
-                    raise ValueError(f"{messages_key!r} must be a list of {{role, content}} messages")
-                ex = encode_example(
-                    None, msgs, tokenizer, apply_chat_template=True, train_on_prompt=train_on_prompt
-                )
-            else:
-                prompt = _get(row, prompt_key, "--data.prompt_key", src)
-                response = _get(row, response_key, "--data.response_key", src)
-                ex = encode_example(
-                    prompt,
-                    response,
-                    tokenizer,
-                    apply_chat_template=apply_chat_template,
-                    train_on_prompt=train_on_prompt,
-                )
-        except ValueError as err:
-            raise err if str(err).startswith(str(path)) else src.fail(str(err)) from None
-        if ex.length > limits.max_len:
-            dropped += 1
-            continue
-        out.append(ex)
-        if limits.max_samples and len(out) >= limits.max_samples:
-            break
-    _finish(out, dropped, path, flag, limits)
-    return out
+    apply_chat_template, train_on_prompt = data.apply_chat_template, data.train_on_prompt
+
+    def examples() -> Iterator[tuple[Example, int]]:
+        for src, row in _rows(path, flag):
+            try:
+                if messages_key in row and response_key not in row:
+                    msgs = row[messages_key]
+                    if not _messages(msgs):
+                        raise ValueError(f"{messages_key!r} must be a list of {{role, content}} messages")
+                    ex = encode_example(
+                        None, msgs, tokenizer, apply_chat_template=True, train_on_prompt=train_on_prompt
+                    )
+                else:
+                    prompt = _get(row, prompt_key, "--data.prompt_key", src)
+                    response = _get(row, response_key, "--data.response_key", src)
+                    ex = encode_example(
+                        prompt,
+                        response,
+                        tokenizer,
+                        apply_chat_template=apply_chat_template,
+                        train_on_prompt=train_on_prompt,
+                    )
+            except ValueError as err:
+                raise err if str(err).startswith(str(path)) else src.fail(str(err)) from None
+            yield ex, ex.length
+
+    return _keep(examples(), path, flag, _limits(data))
 
 
 def load_pairs(
@@ -216,30 +219,27 @@ def load_pairs(
 ) -> list[PreferencePair]:
     """Preference pairs; ``data`` names the keys (``--data.*``)."""
     prompt_key, chosen_key, rejected_key = data.prompt_key, data.chosen_key, data.rejected_key
-    apply_chat_template, limits = data.apply_chat_template, _limits(data)
-    out: list[PreferencePair] = []
-    dropped = 0
-    for src, row in _rows(path, flag):
-        chosen = _get(row, chosen_key, "--data.chosen_key", src)
-        rejected = _get(row, rejected_key, "--data.rejected_key", src)
-        prompt = row.get(prompt_key)
-        if prompt is None and not _messages(chosen):
-            raise src.fail(f"no {prompt_key!r} key (--data.prompt_key); keys: {sorted(row)}")
-        try:
-            pair = PreferencePair(
-                chosen=encode_example(prompt, chosen, tokenizer, apply_chat_template=apply_chat_template),
-                rejected=encode_example(prompt, rejected, tokenizer, apply_chat_template=apply_chat_template),
-            )
-        except ValueError as err:
-            raise src.fail(str(err)) from None
-        if max(pair.chosen.length, pair.rejected.length) > limits.max_len:
-            dropped += 1
-            continue
-        out.append(pair)
-        if limits.max_samples and len(out) >= limits.max_samples:
-            break
-    _finish(out, dropped, path, flag, limits)
-    return out
+    apply_chat_template = data.apply_chat_template
+
+    def pairs() -> Iterator[tuple[PreferencePair, int]]:
+        for src, row in _rows(path, flag):
+            chosen = _get(row, chosen_key, "--data.chosen_key", src)
+            rejected = _get(row, rejected_key, "--data.rejected_key", src)
+            prompt = row.get(prompt_key)
+            if prompt is None and not _messages(chosen):
+                raise src.fail(f"no {prompt_key!r} key (--data.prompt_key); keys: {sorted(row)}")
+            try:
+                pair = PreferencePair(
+                    chosen=encode_example(prompt, chosen, tokenizer, apply_chat_template=apply_chat_template),
+                    rejected=encode_example(
+                        prompt, rejected, tokenizer, apply_chat_template=apply_chat_template
+                    ),
+                )
+            except ValueError as err:
+                raise src.fail(str(err)) from None
+            yield pair, max(pair.chosen.length, pair.rejected.length)
+
+    return _keep(pairs(), path, flag, _limits(data))
 
 
 def load_kto(
@@ -263,19 +263,16 @@ def load_kto(
         rows.append((prompt, completion, label))
         if limits.max_samples and len(rows) >= limits.max_samples:
             break
-    out: list[KTOExample] = []
-    dropped = 0
     partners = mismatched_partners([json.dumps(p, sort_keys=True) for p, _, _ in rows], seed=seed)
-    for i, (prompt, completion, label) in enumerate(rows):
-        other = rows[partners[i]][1]  # fixed per example, so the reference can be precomputed
-        ex = encode_example(prompt, completion, tokenizer, apply_chat_template=apply_chat_template)
-        mis = encode_example(prompt, other, tokenizer, apply_chat_template=apply_chat_template)
-        if max(ex.length, mis.length) > limits.max_len:
-            dropped += 1
-            continue
-        out.append(KTOExample(example=ex, desirable=label, mismatched=mis))
-    _finish(out, dropped, path, flag, limits)
-    return out
+
+    def examples() -> Iterator[tuple[KTOExample, int]]:
+        for i, (prompt, completion, label) in enumerate(rows):
+            other = rows[partners[i]][1]  # fixed per example, so the reference can be precomputed
+            ex = encode_example(prompt, completion, tokenizer, apply_chat_template=apply_chat_template)
+            mis = encode_example(prompt, other, tokenizer, apply_chat_template=apply_chat_template)
+            yield KTOExample(example=ex, desirable=label, mismatched=mis), max(ex.length, mis.length)
+
+    return _keep(examples(), path, flag, limits)
 
 
 def mismatched_partners(prompts: Sequence[str], *, seed: int) -> list[int]:
