@@ -158,3 +158,29 @@ def test_kto_mismatched_partners_come_from_other_prompts():
     assert partners == mismatched_partners(prompts, seed=1)  # fixed: the reference can be precomputed
     same = mismatched_partners(["same"] * 3, seed=0)  # no other prompt: another row all the same
     assert sorted(same) == [0, 1, 2] and all(j != i for i, j in enumerate(same))
+
+
+def test_max_samples_stops_reading_and_max_len_skips_with_a_count(tok, tmp_path, capsys):
+    rows = [{"prompt": f"max {i} 7 =", "response": " 7"} for i in range(2)]
+    # line 3 is not JSON: with --data.max_samples 2 it is never read
+    f = write(tmp_path / "sft.jsonl", [*rows, "{not json", {"prompt": "x", "response": "y"}])
+    assert len(load_sft(f, tok, SFTData(max_samples=2))) == 2
+    with pytest.raises(ValueError, match=r"sft.jsonl, line 3: not JSON"):
+        load_sft(f, tok, SFTData(max_samples=3))
+    long = {"prompt": "max 1 2 3 4 5 6 7 8 9 =", "response": " 9 9 9 9"}
+    pairs = [
+        {"prompt": "max 3 7 =", "chosen": " 7", "rejected": " 3"},
+        {"prompt": long["prompt"], "chosen": long["response"], "rejected": " 1"},
+        {"prompt": "max 2 5 =", "chosen": " 5", "rejected": " 2"},
+    ]
+    limit = len(tok("max 3 7 =")["input_ids"]) + 3
+    kept = load_pairs(write(tmp_path / "pairs.jsonl", pairs), tok, PairData(max_len=limit, max_samples=2))
+    assert [p.chosen.token_ids.tolist() for p in kept] == [
+        load_pairs(write(tmp_path / f"one{i}.jsonl", [pairs[i]]), tok, PairData())[
+            0
+        ].chosen.token_ids.tolist()
+        for i in (0, 2)
+    ]  # the long pair is skipped, and the cap counts kept pairs
+    assert f"skipped 1 example(s) longer than --data.max_len {limit}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"holds no usable examples \(1 longer than --data.max_len 4\)"):
+        load_sft(write(tmp_path / "long.jsonl", [long]), tok, SFTData(max_len=4))

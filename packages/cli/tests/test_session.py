@@ -1,5 +1,6 @@
 """``run_session``: however a recipe's body ends, a failed run's tracker is stopped first, then what the
-run registered (last first), and a Ray the run did not start is left running."""
+run registered (last first, each even if another fails), then Ray if the run started it; a Ray the run
+did not start is left running."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 
 import pytest
 from rlhf_cli.config import SFTConfig
+from rlhf_cli.placement import ClusterResources
+from rlhf_cli.recipes import _session
 from rlhf_cli.recipes._session import run_session
 from rlhf_cli.recipes.sft import SFT_DISPLAY
 from rlhf_cli.tracking import Tracker
@@ -50,3 +53,51 @@ def test_a_finished_run_stops_what_it_started(tmp_path, ray_cluster):
     assert events == ["groups"]
     assert (tmp_path / "summary.txt").exists() and (tmp_path / "loss_curve.png").exists()
     assert ray_cluster.is_initialized()
+
+
+class _FailingTracker:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def stop(self, *, failed: bool = False) -> None:
+        self.events.append(f"tracker failed={failed}")
+        raise OSError("disk full")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_every_exit_runs_even_when_one_fails_and_ray_stops_last(monkeypatch, error):
+    """The run started Ray: it is shut down after the stops, even though the tracker and a stop fail;
+    the body's own error is what comes out (Ctrl-C included)."""
+    import ray
+
+    events: list[str] = []
+    resources = ClusterResources(cpus=2, gpus=0, nodes=1)
+    monkeypatch.setattr(_session, "start_ray", lambda cfg: (resources, True))
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray.shutdown"))
+
+    def failing_stop():
+        events.append("engines")
+        raise RuntimeError("engine already gone")
+
+    with pytest.raises(error, match="the body"), run_session(SFTConfig()) as session:
+        session.stop_at_exit(lambda: events.append("groups"))
+        session.stop_at_exit(failing_stop)
+        session.tracker = _FailingTracker(events)
+        raise error("the body")
+    assert events == ["tracker failed=True", "engines", "groups", "ray.shutdown"]
+
+
+def test_a_stop_failing_after_a_good_run_is_raised_after_the_other_exits(monkeypatch):
+    import ray
+
+    events: list[str] = []
+    monkeypatch.setattr(_session, "start_ray", lambda cfg: (ClusterResources(cpus=2, gpus=0, nodes=1), True))
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray.shutdown"))
+
+    def failing_stop():
+        raise RuntimeError("engine already gone")
+
+    with pytest.raises(RuntimeError, match="engine already gone"), run_session(SFTConfig()) as session:
+        session.stop_at_exit(lambda: events.append("groups"))
+        session.stop_at_exit(failing_stop)
+    assert events == ["groups", "ray.shutdown"]

@@ -132,6 +132,8 @@ def test_batches_check_their_shapes():
         DPOBatch(input_ids=ids, position_ids=ids, loss_mask=ones, ref_logp=torch.zeros(4))
     with pytest.raises(ValueError, match=r"SFTBatch.input_ids: expected a \[B, T\] tensor"):
         SFTBatch(input_ids=ids[0], loss_mask=ones[0])
+    with pytest.raises(TypeError, match=r"SFTBatch.input_ids: expected a tensor, got list"):
+        SFTBatch(input_ids=[[1, 2]], loss_mask=ones)
     with pytest.raises(TypeError, match=r"SFTBatch.loss_mask: expected a tensor, got list"):
         SFTBatch(input_ids=ids, loss_mask=[[True] * 6] * 4)
     with pytest.raises(TypeError, match="action_mask"):  # a field of another step

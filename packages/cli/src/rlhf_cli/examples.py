@@ -164,7 +164,8 @@ def _limits(data: ExampleData) -> Limits:
 
 def _keep(items: Iterable[tuple[E, int]], path: Path, flag: str, limits: Limits) -> list[E]:
     """``(item, its longest sequence)`` pairs: the first ``--data.max_samples`` items within
-    ``--data.max_len`` (the longer ones are skipped and counted); an error if none is left."""
+    ``--data.max_len`` (the longer ones are skipped and counted); an error if none is left. Reading
+    stops at the cap. (KTO caps the rows it reads, before this filter: its partners need them all.)"""
     out: list[E] = []
     dropped = 0
     for item, length in items:

@@ -30,7 +30,11 @@ class Endpoint:
         device: torch.device | str | None,
     ) -> None:
         self._rdv = rdv
-        self._transport = open_transport(transport, rdv, bucket_bytes=bucket_bytes, device=device)
+        try:
+            self._transport = open_transport(transport, rdv, bucket_bytes=bucket_bytes, device=device)
+        except BaseException:
+            rdv.close()  # the sender would keep its store's port bound
+            raise
         self._sync = 0
         self._closed = False
         self._broken: str | None = None
@@ -45,8 +49,10 @@ class Endpoint:
         it then fail). Idempotent."""
         if not self._closed:
             self._closed = True
-            self._transport.close()
-            self._rdv.close()
+            try:
+                self._transport.close()
+            finally:
+                self._rdv.close()
 
     def __enter__(self) -> Self:
         return self

@@ -40,19 +40,15 @@ class ModelRows:
     """Fields that hold one value per row, or per row group (checked by ``_check_rows``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.input_ids, torch.Tensor) or self.input_ids.dim() != 2:
-            got = (
-                tuple(self.input_ids.shape)
-                if isinstance(self.input_ids, torch.Tensor)
-                else type(self.input_ids)
-            )
-            raise ValueError(f"{type(self).__name__}.input_ids: expected a [B, T] tensor, got {got}")
+        name = type(self).__name__
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"{type(self).__name__}.{f.name}: expected a tensor, got {type(value).__name__}"
-                )
+                raise TypeError(f"{name}.{f.name}: expected a tensor, got {type(value).__name__}")
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"{name}.input_ids: expected a [B, T] tensor, got {tuple(self.input_ids.shape)}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
             if f.name == "input_ids" or f.name in self.per_row or value is None:
                 continue
             if tuple(value.shape) != tuple(self.input_ids.shape):
