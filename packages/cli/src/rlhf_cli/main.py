@@ -1,4 +1,9 @@
-"""The ``rlhf`` command line: one short function per command (parse -> validate -> call a recipe)."""
+"""The ``rlhf`` command line: one short function per command (parse -> validate -> call a recipe).
+
+Importing it sets ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` in ``os.environ`` unless set: Ray reads it once,
+when first imported, and with it on, a driver started by ``uv run`` makes every Ray worker rebuild the
+project's environment with ``uv run`` in a copy of the working directory (without the extras: no vLLM).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # before anything imports Ray
 
 import typer
 

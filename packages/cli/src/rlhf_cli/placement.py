@@ -258,15 +258,15 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, num_params: int) -
 def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
     """Join ``--ray.address`` / ``RAY_ADDRESS``, or start a local cluster on 127.0.0.1 (an already
     initialised Ray in this process is used as it is). Returns the resources and whether this call
-    started Ray (so the recipe knows to stop it). Sets ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` (and, for a
-    local cluster, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) in ``os.environ`` unless already set: Ray
-    reads them there, and without the first a driver under ``uv run`` makes Ray rebuild a venv per worker."""
+    started Ray (so the recipe knows to stop it). For a local cluster, sets
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in ``os.environ`` unless already set (Ray reads it there).
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` must be set before Ray is first imported: the ``rlhf`` command
+    does it (``rlhf_cli.main``); a Python driver under ``uv run`` sets it itself."""
     import ray
 
     started = False
     if not ray.is_initialized():
         address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         if address:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         else:
