@@ -26,7 +26,7 @@ STAGES = ("generation", "reward", "reference", "learner", "sync")
 
 def bench(name: str, root: Path, steps: int) -> dict[str, float]:
     from rlhf_cli.config import PPOConfig, build_config
-    from rlhf_cli.recipes.ppo import run
+    from rlhf_cli.ppo.recipe import run
     from rlhf_testkit import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(root / name, TinyModelSpec(**MODELS[name]))

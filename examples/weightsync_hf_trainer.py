@@ -37,7 +37,7 @@ def engine(model_dir: str, port: int, steps: int, out: mp.Queue) -> None:
     )
     try:
         for _ in range(steps):
-            (report,) = eng.receive_weights(timeout_s=120)
+            report = eng.receive_weights(timeout_s=120)
             out.put(("version", report["version"]))
         prompt = AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
         (gen,) = eng.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))

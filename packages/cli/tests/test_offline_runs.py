@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlhf_cli import task
+from rlhf_cli.demo import task
 from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
 
 COMMON = [
@@ -47,7 +47,7 @@ def run(cls, recipe: str, run_dir: Path, *flags: str):
     import importlib
 
     cfg = build_config(cls, [*COMMON, "--logger.run_dir", str(run_dir), *flags])
-    return importlib.import_module(f"rlhf_cli.recipes.{recipe}").run(cfg)
+    return importlib.import_module(f"rlhf_cli.offline.{recipe}").run(cfg)
 
 
 def resume_from(first: Path, second: Path, step: int) -> None:
@@ -168,7 +168,7 @@ def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_mode
     cfg = json.loads((result.final_model / "config.json").read_text())
     assert cfg["normalize_reward"] is True
     from rlhf_cli.config.offline import PairData
-    from rlhf_cli.examples import load_pairs, split_heldout
+    from rlhf_cli.data.examples import load_pairs, split_heldout
     from rlhf_learner import load_reward_model
     from transformers import AutoTokenizer
 

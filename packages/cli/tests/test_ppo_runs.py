@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from rlhf_cli.config import PPOConfig, build_config
-from rlhf_cli.recipes.ppo import run
+from rlhf_cli.ppo.recipe import run
 
 MISMATCH = 1e-3  # engine vs learner log-prob of a sampled token with the same weights (seen ~1e-6)
 
@@ -127,7 +127,7 @@ def _reward_model_folder(base: Path, out: Path) -> Path:
     """A reward model as ``rlhf rm`` writes it (two steps on the built-in preferences), with the score
     normalisation it stores."""
     from rlhf_cli.config import RMConfig
-    from rlhf_cli.recipes import rm
+    from rlhf_cli.offline import rm
 
     flags = [
         "--model.pretrain",

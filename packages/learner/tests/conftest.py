@@ -76,3 +76,9 @@ def multirank(tiny_model_dir, tmp_path_factory):
     single = run_ranks(1, tiny_model_dir, out)
     double = run_ranks(2, tiny_model_dir, out)
     return {"out": out, "w1": single, "w2": double}
+
+
+@pytest.fixture(scope="session")
+def multirank4(multirank, tiny_model_dir):
+    """A 4-rank run of sequence-parallel SFT only: 2 data-parallel groups of 2 sequence-parallel ranks."""
+    return run_ranks(4, tiny_model_dir, multirank["out"])

@@ -127,7 +127,11 @@ def train(stage: int, model_dir: str, rank: int, world: int, out: Path, extras: 
         res["ds_shape"] = list(p.ds_shape)
         from transformers import AutoTokenizer
 
-        strategy.export_hf(engine.module, out / "export", tokenizer=AutoTokenizer.from_pretrained(model_dir))
+        # Only rank 0 touches the folder: rank 1 names another one, which must never appear.
+        mine = "" if rank == 0 else f"_r{rank}"
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        strategy.export_hf(engine.module, out / f"export{mine}", tokenizer=tok)
+        strategy.export_hf(engine.module, out / f"export_sharded{mine}", max_shard_bytes=300_000)
         # A frozen reference sharded with ZeRO-3 inference gives the initial weights' log-probs.
         ref = strategy.prepare(
             load_reference(model_dir, ds_config=strategy.ds_config(train=False)), train=False
@@ -270,25 +274,40 @@ def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
 
 
 def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
-    """SFT steps where both ranks get the same full rows and split each sequence with ring
-    attention (world 2), vs. one process on the same rows (world 1)."""
+    """SFT steps on 4 rows where the ranks of a sequence-parallel group (2 ranks, or 1 in a world of
+    one) get the same rows and split each sequence with ring attention: world 2 is one group holding
+    all rows; world 4 is two data-parallel groups of 2 holding 2 rows each (the second group does
+    not contain rank 0). Compared with one process on all rows (world 1)."""
     from rlhf_algos import sft_loss
     from rlhf_learner.steps import sft_step
 
     strategy = Strategy(
-        StrategyOptions(zero_stage=2 if world > 1 else 0, lr=1e-3, sequence_parallel_size=world)
+        StrategyOptions(zero_stage=2 if world > 1 else 0, lr=1e-3, sequence_parallel_size=min(world, 2))
     )
     strategy.setup_distributed()
     import torch.distributed as dist
 
-    actor = Actor(load_causal_lm(model_dir), sequence_parallel_group=strategy.sequence_parallel_group())
+    group = strategy.sequence_parallel_group  # made by setup_distributed (None in a world of one)
+    actor = Actor(load_causal_lm(model_dir), sequence_parallel_group=group)
     engine = strategy.prepare(actor)
-    rows = global_rows(seed=3)[:4]
+    share = 4 // strategy.data_parallel_size
+    first = strategy.data_parallel_rank * share
+    rows = global_rows(seed=3)[first : first + share]
     mb = pad_rows(rows)
     mb.pop("advantages")
     mb["loss_mask"] = mb.pop("action_mask")
     mb = SFTBatch(**mb)
-    res = {"losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)]}
+    # A frozen reference on the same group: the same log-probs as the whole sequence on one rank.
+    frozen = Strategy(strategy.options.for_inference())
+    ref = frozen.prepare(load_reference(model_dir, sequence_parallel_group=group), train=False)
+    full = reference_logp(load_reference(model_dir), mb)
+    ref_diff = ((reference_logp(ref, mb) - full) * mb.attention_mask).abs().max().item()  # padding aside
+    res = {
+        "group_size": dist.get_world_size(group) if group is not None else 1,
+        "data_parallel": [strategy.data_parallel_rank, strategy.data_parallel_size],
+        "ref_logp_diff": ref_diff,
+        "losses": [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(3)],
+    }
     state = strategy.full_state_dict(engine.module.model)
     if dist.get_rank() == 0:
         torch.save(state, out / f"weights_sp_w{world}.pt")
@@ -380,7 +399,9 @@ def main() -> None:
     )
     out = Path(args.out)
     results: dict = {}
-    if args.world == 1:
+    if args.world == 4:
+        results["sp"] = sequence_parallel_sft(args.model, args.world, out)
+    elif args.world == 1:
         results["z0"] = train(0, args.model, args.rank, args.world, out, extras=False)
         results["kto"] = kto(args.model, args.rank, args.world)
         results["sp"] = sequence_parallel_sft(args.model, args.world, out)

@@ -62,6 +62,36 @@ def test_exported_folder_loads_in_transformers_with_identical_logits(multirank, 
     assert not torch.allclose(base, model(ids).logits)
 
 
+def test_export_is_written_by_rank0_alone_and_shards_under_zero3(multirank):
+    """Rank 1 took part in every gather but named another folder, which it never created; the
+    sharded export (several files + index) holds the same weights as the single-file one."""
+    from transformers import AutoModelForCausalLM
+
+    out = multirank["out"]
+    assert not (out / "export_r1").exists() and not (out / "export_sharded_r1").exists()
+    sharded = out / "export_sharded"
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) >= 3
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    ids = torch.randint(3, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(sharded)(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(out / "export")(ids).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_sequence_parallel_group_needs_setup_and_a_divisible_world(dist_single):
+    from rlhf_learner.strategy import Strategy, StrategyOptions
+
+    plain = Strategy(StrategyOptions())
+    assert plain.sequence_parallel_group is None
+    assert (plain.data_parallel_rank, plain.data_parallel_size) == (0, 1)
+    sp = Strategy(StrategyOptions(sequence_parallel_size=2))
+    with pytest.raises(RuntimeError, match="setup_distributed"):
+        _ = sp.sequence_parallel_group
+    with pytest.raises(ValueError, match=r"sequence_parallel_size = 2 does not divide the world size 1"):
+        sp.setup_distributed()
+
+
 def test_ring_attention_two_ranks_equals_one(multirank):
     for rank_result in multirank["w2"]:
         ring = rank_result["ring"]
@@ -94,10 +124,30 @@ def test_sequence_parallel_training_on_two_ranks_matches_one_process(multirank):
     """Both ranks hold the same rows and each computes half of every sequence with ring attention."""
     ref = multirank["w1"][0]["sp"]["losses"]
     assert ref[-1] < ref[0]
+    assert multirank["w1"][0]["sp"]["group_size"] == 1
     for rank_result in multirank["w2"]:
-        assert rank_result["sp"]["losses"] == pytest.approx(ref, abs=1e-5)
+        sp = rank_result["sp"]
+        assert sp["group_size"] == 2 and sp["data_parallel"] == [0, 1]  # both ranks share one data shard
+        assert sp["ref_logp_diff"] < 1e-5  # a frozen reference on the group: the full sequence's log-probs
+        assert sp["losses"] == pytest.approx(ref, abs=1e-5)
     w_ref = torch.load(multirank["out"] / "weights_sp_w1.pt")
     w = torch.load(multirank["out"] / "weights_sp_w2.pt")
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], atol=1e-4, rtol=0)
+
+
+def test_sequence_parallel_times_data_parallel_on_four_ranks_matches_one_process(multirank, multirank4):
+    """Sequence parallel 2 x data parallel 2: ranks 2k and 2k+1 share data shard k (rows 2k, 2k+1) and
+    split its sequences; the steps and weights equal one process on all 4 rows. The second group does
+    not contain rank 0, which a gather built on torch's differentiable all-gather cannot serve on gloo."""
+    ref = multirank["w1"][0]["sp"]["losses"]
+    for rank, rank_result in enumerate(multirank4):
+        sp = rank_result["sp"]
+        assert sp["group_size"] == 2 and sp["data_parallel"] == [rank // 2, 2]
+        assert sp["ref_logp_diff"] < 1e-5
+        assert sp["losses"] == pytest.approx(ref, abs=1e-5)
+    w_ref = torch.load(multirank["out"] / "weights_sp_w1.pt")
+    w = torch.load(multirank["out"] / "weights_sp_w4.pt")
     for k in w_ref:
         torch.testing.assert_close(w[k], w_ref[k], atol=1e-4, rtol=0)
 

@@ -68,7 +68,7 @@ def test_qlora_trains(tiny_model_dir):
     from rlhf_learner.lora import LoraOptions, apply_lora, load_qlora_base
     from rlhf_learner.models import Actor
 
-    model = apply_lora(load_qlora_base(tiny_model_dir), LoraOptions(rank=4))
+    model = apply_lora(load_qlora_base(tiny_model_dir), LoraOptions(rank=4, load_in_4bit=True))
     actor = Actor(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(3, 400, (2, 12)).cuda()
@@ -80,3 +80,20 @@ def test_qlora_trains(tiny_model_dir):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_load_in_4bit_quantizes_the_base_and_only_lora_gets_gradients(tiny_model_dir):
+    import bitsandbytes as bnb
+    from rlhf_learner.lora import LoraOptions
+    from rlhf_learner.models import Actor, load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=4, load_in_4bit=True))
+    assert model.get_base_model().is_loaded_in_4bit
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    ids = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    loss = -Actor(model)(ids).logp[:, 1:].float().mean()
+    loss.backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all("lora_" in n for n in with_grad)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == with_grad
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)

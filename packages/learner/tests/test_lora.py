@@ -57,11 +57,32 @@ def test_lora_options_and_merge_inputs_are_checked(tiny_model_dir, tmp_path):
         merge_adapter(tiny_model_dir, tmp_path / "missing", tmp_path / "out")
 
 
-def test_qlora_without_cuda_or_bitsandbytes_raises_a_clear_error(tiny_model_dir):
-    if torch.cuda.is_available():
-        import importlib.util
+def _qlora_possible() -> bool:
+    import importlib.util
 
-        if importlib.util.find_spec("bitsandbytes") is not None:
-            return  # the gpu-marked test covers the real path
-    with pytest.raises(RuntimeError, match="QLoRA needs"):
+    return torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
+
+
+@pytest.mark.skipif(_qlora_possible(), reason="CUDA and bitsandbytes present: test_gpu.py covers QLoRA")
+def test_qlora_without_cuda_or_bitsandbytes_raises_a_clear_error(tiny_model_dir):
+    lora = LoraOptions(rank=4, load_in_4bit=True)
+    with pytest.raises(ValueError, match=r"^load_in_4bit: ") as err:
+        load_causal_lm(tiny_model_dir, lora=lora)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^load_in_4bit: "):
         load_qlora_base(tiny_model_dir)
+
+
+def test_qlora_is_refused_with_zero3_and_on_a_full_precision_base(tiny_model_dir):
+    lora = LoraOptions(rank=4, load_in_4bit=True)
+    ds_config = Strategy(StrategyOptions(zero_stage=3)).ds_config()
+    with pytest.raises(ValueError, match=r"^load_in_4bit with zero_stage=3: ZeRO-3 cannot shard 4-bit"):
+        load_causal_lm(tiny_model_dir, ds_config=ds_config, lora=lora)
+    with pytest.raises(ValueError, match=r"^load_in_4bit: the base model was not loaded in 4 bit"):
+        apply_lora(load_causal_lm(tiny_model_dir), lora)
+
+
+def test_load_causal_lm_with_lora_gives_the_peft_model(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert hasattr(model, "peft_config") and trainable and all("lora_" in n for n in trainable)

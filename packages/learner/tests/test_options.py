@@ -61,3 +61,23 @@ def test_no_clipping_and_autotp_and_muon_configs():
 def test_bad_options_name_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
         StrategyOptions(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "stage"),
+    [
+        ({"zero_stage": 0}, 0),
+        ({"zero_stage": 1, "offload_optimizer": True}, 0),
+        ({"zero_stage": 2, "offload_optimizer": True}, 0),
+        ({"zero_stage": 3, "offload_optimizer": True, "offload_params": True}, 3),
+    ],
+)
+def test_for_inference_runs_zero_1_2_as_replicas_and_keeps_zero3_sharding(kwargs, stage):
+    opts = StrategyOptions(precision="bf16", sequence_parallel_size=2, seed=7, lr=3e-4, **kwargs)
+    frozen = opts.for_inference()
+    assert frozen.zero_stage == stage and frozen.offload_optimizer is False
+    assert frozen.offload_params == opts.offload_params
+    assert (frozen.precision, frozen.sequence_parallel_size, frozen.seed, frozen.lr) == ("bf16", 2, 7, 3e-4)
+    assert opts.zero_stage == kwargs["zero_stage"]  # a copy: the trained model's options are unchanged
+    cfg = build_ds_config(frozen, train=False)
+    assert cfg["zero_optimization"]["stage"] == stage and "offload_optimizer" not in cfg["zero_optimization"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from rlhf_rollout import SamplingParams, UnsupportedOperationError
+from rlhf_rollout import SamplingParams, UnsupportedOperationError, WeightSyncReport
 from rollout_testutil import reference_logprobs
 
 LONG_PROMPT = [1] + [40 + (i * 7) % 200 for i in range(47)]  # 3 full KV blocks: the prefix cache holds it
@@ -50,8 +50,9 @@ def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
         ray.get(
             vllm_client.init_weight_sync(transport="file", master_addr=str(tmp_path / "new"), master_port=0)
         )
-        reports = ray.get(vllm_client.receive_weights(timeout_s=30.0))
-        assert reports == [[{"version": 1, "rank": 1}]]  # one engine, one worker, rank_offset 1
+        (report,) = ray.get(vllm_client.receive_weights(timeout_s=30.0))  # one engine: one report
+        assert report["version"] == 1 and report["num_buckets"] == 1  # one safetensors file
+        assert set(report) == set(WeightSyncReport.__annotations__)
         vllm_client.close_weight_sync()
         g2 = _logprobs(vllm_client)
         ref_new = reference_logprobs(changed, LONG_PROMPT, g2.token_ids, temperature=0.8)

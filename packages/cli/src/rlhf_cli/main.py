@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # before anything imports Ray
@@ -80,7 +82,7 @@ def _config_command(
 
     opts, flags = _split_options(list(ctx.args))
     if opts["help"]:
-        from rlhf_cli.help import render_help
+        from rlhf_cli.config.help import render_help
 
         options = [o for o in COMMAND_OPTIONS if dry_run is not None or o[0] != "--dry-run"]
         typer.echo(
@@ -105,70 +107,111 @@ def _config_command(
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
-def _connect(cfg: Any) -> bool:
-    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+@dataclass(frozen=True)
+class TrainingCommand:
+    """A training command: its configuration tree, and its recipe's ``run`` and ``plan`` (imported when
+    the command runs, so ``rlhf --help`` stays fast)."""
+
+    name: str
+    help: str
+    config: Callable[[], type]
+    recipe: Callable[[], ModuleType]
+    curve: str = "loss_curve.png"
 
 
-def _recipe(name: str) -> Any:
-    import importlib
+def _config(name: str) -> Callable[[], type]:
+    def load() -> type:
+        import rlhf_cli.config as c
 
-    return importlib.import_module(f"rlhf_cli.recipes.{name}")
+        return getattr(c, name)
 
-
-def _trained(name: str) -> Callable[[Any], str]:
-    def execute(cfg: Any) -> str:
-        result = _recipe(name).run(cfg)
-        curve = "reward_curve.png" if name == "ppo" else "loss_curve.png"
-        lines = [f"final model: {result.final_model}", f"curve: {result.run_dir / curve}"]
-        if getattr(result, "adapter", None) is not None:
-            lines.insert(1, f"adapter: {result.adapter}")
-        return "\n".join(lines)
-
-    return execute
+    return load
 
 
-def _plan(name: str) -> Callable[[Any], str]:
-    return lambda cfg: _recipe(name).plan(cfg, connect=_connect(cfg)).render()
+def _ppo() -> ModuleType:
+    from rlhf_cli.ppo import recipe
+
+    return recipe
 
 
-@app.command("ppo", context_settings=_RAW, add_help_option=False)
-def ppo(ctx: typer.Context) -> None:
-    """PPO / REINFORCE++ / GRPO / RLOO on Ray with vLLM rollouts (no model given: the built-in demo)."""
-    from rlhf_cli.config import PPOConfig
+def _sft() -> ModuleType:
+    from rlhf_cli.offline import sft
 
-    _config_command(ctx, PPOConfig, execute=_trained("ppo"), dry_run=_plan("ppo"))
+    return sft
 
 
-@app.command("sft", context_settings=_RAW, add_help_option=False)
-def sft(ctx: typer.Context) -> None:
-    """Supervised fine-tuning (loss on the responses; packing; LoRA) on Ray with DeepSpeed."""
-    from rlhf_cli.config import SFTConfig
+def _rm() -> ModuleType:
+    from rlhf_cli.offline import rm
 
-    _config_command(ctx, SFTConfig, execute=_trained("sft"), dry_run=_plan("sft"))
+    return rm
 
 
-@app.command("rm", context_settings=_RAW, add_help_option=False)
-def rm(ctx: typer.Context) -> None:
-    """Pairwise reward-model training on chosen/rejected data (saves its score normalisation)."""
-    from rlhf_cli.config import RMConfig
+def _dpo() -> ModuleType:
+    from rlhf_cli.offline import dpo
 
-    _config_command(ctx, RMConfig, execute=_trained("rm"), dry_run=_plan("rm"))
+    return dpo
 
 
-@app.command("dpo", context_settings=_RAW, add_help_option=False)
-def dpo(ctx: typer.Context) -> None:
-    """DPO / IPO / cDPO against a frozen reference (--algo.loss, --ref.precompute)."""
-    from rlhf_cli.config import DPOConfig
+def _kto() -> ModuleType:
+    from rlhf_cli.offline import kto
 
-    _config_command(ctx, DPOConfig, execute=_trained("dpo"), dry_run=_plan("dpo"))
+    return kto
 
 
-@app.command("kto", context_settings=_RAW, add_help_option=False)
-def kto(ctx: typer.Context) -> None:
-    """KTO on unpaired desirable/undesirable examples."""
-    from rlhf_cli.config import KTOConfig
+TRAINING_COMMANDS = (
+    TrainingCommand(
+        "ppo",
+        "PPO / REINFORCE++ / GRPO / RLOO on Ray with vLLM rollouts (no model given: the built-in demo).",
+        _config("PPOConfig"),
+        _ppo,
+        curve="reward_curve.png",
+    ),
+    TrainingCommand(
+        "sft",
+        "Supervised fine-tuning (loss on the responses; packing; LoRA) on Ray with DeepSpeed.",
+        _config("SFTConfig"),
+        _sft,
+    ),
+    TrainingCommand(
+        "rm",
+        "Pairwise reward-model training on chosen/rejected data (saves its score normalisation).",
+        _config("RMConfig"),
+        _rm,
+    ),
+    TrainingCommand(
+        "dpo",
+        "DPO / IPO / cDPO against a frozen reference (--algo.loss, --ref.precompute).",
+        _config("DPOConfig"),
+        _dpo,
+    ),
+    TrainingCommand("kto", "KTO on unpaired desirable/undesirable examples.", _config("KTOConfig"), _kto),
+)
+"""The training commands, in ``rlhf --help`` order."""
 
-    _config_command(ctx, KTOConfig, execute=_trained("kto"), dry_run=_plan("kto"))
+
+def _train(command: TrainingCommand, cfg: Any) -> str:
+    result = command.recipe().run(cfg)
+    lines = [f"final model: {result.final_model}", f"curve: {result.run_dir / command.curve}"]
+    if getattr(result, "adapter", None) is not None:
+        lines.insert(1, f"adapter: {result.adapter}")
+    return "\n".join(lines)
+
+
+def _register(command: TrainingCommand) -> None:
+    def cli(ctx: typer.Context) -> None:
+        _config_command(
+            ctx,
+            command.config(),
+            execute=lambda cfg: _train(command, cfg),
+            dry_run=lambda cfg: command.recipe().plan(cfg).render(),
+        )
+
+    cli.__doc__ = command.help
+    app.command(command.name, context_settings=_RAW, add_help_option=False)(cli)
+
+
+for _command in TRAINING_COMMANDS:
+    _register(_command)
 
 
 @app.command("serve-rm", context_settings=_RAW, add_help_option=False)
@@ -228,7 +271,7 @@ def demo_data(
     seed: Annotated[int, typer.Option(help="Seed of the example order and the SFT answers.")] = 42,
 ) -> None:
     """Write the built-in task as data files: sft, preferences, kto and prompts (.jsonl)."""
-    from rlhf_cli import task
+    from rlhf_cli.demo import task
 
     for kind in task.DATA_KINDS:
         path = task.write_data(kind, out / f"{kind}.jsonl", seed=seed)
@@ -243,7 +286,7 @@ def tiny_model(
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
 ) -> None:
     """Build a tiny random causal LM + tokenizer offline (for demos and smoke runs)."""
-    from rlhf_testkit import TinyModelSpec, build_tiny_model
+    from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(
         architecture=architecture, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden

@@ -15,6 +15,7 @@ from torch import nn
 __all__ = [
     "LoraOptions",
     "apply_lora",
+    "check_4bit",
     "check_adapter_matches",
     "load_qlora_base",
     "merge_adapter",
@@ -35,6 +36,9 @@ class LoraOptions:
     """Dropout on the adapter input."""
     target_modules: Sequence[str] | str = field(default_factory=lambda: "all-linear")
     """Module names to adapt (peft's ``target_modules``; ``all-linear`` = every linear but the output head)."""
+    load_in_4bit: bool = False
+    """4-bit NF4 base weights via bitsandbytes (QLoRA); needs a CUDA GPU. The base is quantized when it is
+    loaded (``load_causal_lm(path, lora=options)``); ZeRO-3 cannot shard 4-bit weights (use stages 0-2)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -46,8 +50,14 @@ class LoraOptions:
 
 
 def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
-    """A peft model whose only trainable parameters are the adapters."""
+    """A peft model whose only trainable parameters are the adapters. With ``options.load_in_4bit``
+    ``model`` must be a 4-bit base (``load_causal_lm(path, lora=options)`` or :func:`load_qlora_base`)."""
     from peft import LoraConfig, get_peft_model
+
+    if options.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
+        raise ValueError(
+            "load_in_4bit: the base model was not loaded in 4 bit; load it with load_causal_lm(path, lora=options)"
+        )
 
     targets = (
         options.target_modules if isinstance(options.target_modules, str) else list(options.target_modules)
@@ -167,13 +177,30 @@ def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[
     return out, base
 
 
-def load_qlora_base(path: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A 4-bit NF4 base model for QLoRA (Dettmers et al., 2023, arXiv:2305.14314); needs CUDA and
-    bitsandbytes. Wrap it with :func:`apply_lora` afterwards."""
+def check_4bit(*, zero_stage: int | None = None) -> None:
+    """Raise a one-line ValueError naming ``load_in_4bit`` unless 4-bit NF4 weights can be used here:
+    not with ZeRO-3 (it cannot shard 4-bit weights), and only with CUDA and bitsandbytes."""
+    if zero_stage == 3:
+        raise ValueError("load_in_4bit with zero_stage=3: ZeRO-3 cannot shard 4-bit weights; use zero_stage 0-2")
     if not torch.cuda.is_available():
-        raise RuntimeError("QLoRA needs a CUDA device (bitsandbytes 4-bit kernels); none is present")
+        raise ValueError("load_in_4bit: 4-bit NF4 weights (bitsandbytes) need a CUDA GPU; none is present")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise RuntimeError("QLoRA needs the bitsandbytes package, which is not installed")
+        raise ValueError("load_in_4bit: needs the bitsandbytes package (the rlhf-learner[qlora] extra)")
+
+
+def load_qlora_base(
+    path: str | Path,
+    *,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    model_class: Any = None,
+) -> nn.Module:
+    """A 4-bit NF4 base model for QLoRA (Dettmers et al., 2023, arXiv:2305.14314) on this process's CUDA
+    device, prepared for training with peft's ``prepare_model_for_kbit_training`` (base frozen, the
+    other weights in fp32). Needs CUDA and bitsandbytes (see :func:`check_4bit`). Wrap it with
+    :func:`apply_lora` afterwards; ``load_causal_lm(path, lora=LoraOptions(load_in_4bit=True))`` does both."""
+    check_4bit()
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -183,5 +210,16 @@ def load_qlora_base(path: str | Path, *, compute_dtype: torch.dtype = torch.bflo
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=compute_dtype)
-    return prepare_model_for_kbit_training(model)
+    cls = model_class or AutoModelForCausalLM
+    model = cls.from_pretrained(
+        str(path),
+        quantization_config=quant,
+        dtype=compute_dtype,
+        attn_implementation=attn_implementation,
+        device_map={"": torch.cuda.current_device()},
+    )
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )

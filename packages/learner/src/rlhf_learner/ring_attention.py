@@ -267,9 +267,28 @@ def split_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch
     return x.chunk(size, dim=dim)[rank]
 
 
-def gather_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch.Tensor:
-    """Concatenate every rank's chunk along ``dim`` (differentiable: gradients flow back to each chunk)."""
-    import torch.distributed.nn.functional as dist_fn
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of equal chunks whose backward sums the gradients over the group (all-reduce) and
+    keeps this rank's chunk. torch's own differentiable all-gather falls back, on gloo, to scatters
+    addressed by group rank as if it were a global rank, which fails for any group but the first."""
 
+    @staticmethod
+    def forward(ctx, x, dim, group):  # type: ignore[override]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        ctx.dim, ctx.group = dim, group
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, *, group: Any = None, dim: int = 1) -> torch.Tensor:
+    """Concatenate every rank's chunk along ``dim`` (differentiable: each chunk gets the sum over the
+    group of the gradients of its part of the result)."""
     group = group if group is not None else dist.group.WORLD
-    return torch.cat(dist_fn.all_gather(x.contiguous(), group=group), dim=dim)
+    return _GatherSequence.apply(x.contiguous(), dim, group)

@@ -10,6 +10,7 @@ from rlhf_rollout.engine import (
     RolloutEngine,
     TokenGenerator,
     UnsupportedOperationError,
+    WeightSyncReport,
     WeightSyncRPC,
     check_prompts,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "UnsupportedOperationError",
     "VLLMEngine",
     "WeightSyncRPC",
+    "WeightSyncReport",
     "chat_feedback_tokens",
     "check_prompts",
     "create_engines",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 from rlhf_rollout.types import Generation, SamplingParams
 
@@ -14,6 +14,7 @@ __all__ = [
     "TokenGenerator",
     "UnsupportedOperationError",
     "WeightSyncRPC",
+    "WeightSyncReport",
     "check_prompts",
 ]
 
@@ -82,11 +83,26 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+class WeightSyncReport(TypedDict):
+    """What one ``receive_weights`` loaded: rlhf-weightsync's ``SyncStats`` as a plain dict (its
+    ``WeightSyncReport``, the same keys; this package does not import it). A dict of builtins crosses
+    vLLM's ``collective_rpc`` and Ray unchanged."""
+
+    version: int
+    """Weights version of the sync (the sender's)."""
+    num_tensors: int
+    num_names: int
+    num_buckets: int
+    num_bytes: int
+    seconds: float
+    """Wall time of the receive (for an engine with several workers: the slowest worker's)."""
+
+
 class WeightSyncRPC(Protocol):
     """The weight-sync worker-extension calls, defined once: what rlhf-weightsync's
     ``WeightSyncWorkerExtension`` implements in each engine worker, and what ``VLLMEngine``,
-    ``TransformersEngine`` and the Ray ``EngineActor`` forward to it with the same parameters (a test
-    compares their signatures with this one)."""
+    ``TransformersEngine`` and the Ray ``EngineActor`` forward to it with the same parameters and
+    return type (a test compares their signatures with this one)."""
 
     def init_weight_sync(
         self,
@@ -102,8 +118,9 @@ class WeightSyncRPC(Protocol):
         ``world_size``; blocks until the sender and every receiver joined."""
         ...
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> Any:
-        """Receive one sync into the model (then the prefix cache is reset); returns the report(s)."""
+    def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        """Receive one sync into the model (then the prefix cache is reset); returns its report (an
+        engine whose workers each received it: one report, with the slowest worker's ``seconds``)."""
         ...
 
     def close_weight_sync(self) -> None: ...

@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-from rlhf_rollout.engine import EngineCapabilities, UnsupportedOperationError, check_prompts
+from rlhf_rollout.engine import (
+    EngineCapabilities,
+    UnsupportedOperationError,
+    WeightSyncReport,
+    check_prompts,
+)
 from rlhf_rollout.types import Generation, SamplingParams
 
 __all__ = ["TransformersEngine", "process_logits"]
@@ -236,9 +241,10 @@ class TransformersEngine:
             timeout_s=timeout_s,
         )
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
-        """Receive one sync into the model; returns the (one) worker's report, as ``VLLMEngine`` does."""
-        return [self._extension("receive_weights")(timeout_s=timeout_s)]
+    def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        """Receive one sync into the model; returns the extension's report, as ``VLLMEngine`` does."""
+        report: WeightSyncReport = self._extension("receive_weights")(timeout_s=timeout_s)
+        return report
 
     def close_weight_sync(self) -> None:
         self._extension("close_weight_sync")()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from rlhf_rollout.engine import EngineCapabilities
+from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 __all__ = ["EngineActor", "EngineClient", "create_engines"]
 
@@ -58,7 +61,7 @@ class EngineActor:
             timeout_s=timeout_s,
         )
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
+    def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
         return self.engine.receive_weights(timeout_s=timeout_s)
 
     def close_weight_sync(self) -> None:
@@ -244,7 +247,7 @@ class EngineClient:
     # --- weight sync: non-blocking, because the sender must join while the engines wait -------------
     def init_weight_sync(
         self, *, transport: str, master_addr: str, master_port: int, timeout_s: float = 60.0
-    ) -> list[Any]:
+    ) -> list[ObjectRef[None]]:
         """Start every engine joining one sync group (sender = rank 0; engine ``i``'s workers take
         ranks ``1 + i * tp ...``). Returns object refs; ``ray.get`` them after the sender joined."""
         world_size = 1 + len(self.engines) * self.tensor_parallel_size
@@ -260,8 +263,9 @@ class EngineClient:
             for i, e in enumerate(self.engines)
         ]
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> list[Any]:
-        """Start one receive on every engine (each resets its prefix cache after loading); refs."""
+    def receive_weights(self, *, timeout_s: float | None = None) -> list[ObjectRef[WeightSyncReport]]:
+        """Start one receive on every engine (each resets its prefix cache after loading); returns one
+        ref per engine, to that engine's report."""
         return [e.receive_weights.remote(timeout_s=timeout_s) for e in self.engines]
 
     def close_weight_sync(self) -> None:

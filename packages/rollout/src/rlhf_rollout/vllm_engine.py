@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlhf_rollout.engine import EngineCapabilities, UnsupportedOperationError, check_prompts
+from rlhf_rollout.engine import (
+    EngineCapabilities,
+    UnsupportedOperationError,
+    WeightSyncReport,
+    check_prompts,
+)
 from rlhf_rollout.types import Generation, SamplingParams
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "merge_worker_reports"]
 
 
 class VLLMEngine:
@@ -167,11 +172,12 @@ class VLLMEngine:
             ),
         )
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> list[dict]:
-        """Receive one sync on every worker, then reset the prefix cache. Returns each worker's report."""
-        reports = self._rpc("receive_weights", dict(timeout_s=timeout_s))
+    def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        """Receive one sync on every worker, then reset the prefix cache. Returns the sync's report:
+        the workers' reports agree but for ``seconds``, which is the slowest worker's."""
+        reports: list[WeightSyncReport] = self._rpc("receive_weights", dict(timeout_s=timeout_s))
         self.reset_prefix_cache()
-        return reports
+        return merge_worker_reports(reports)
 
     def close_weight_sync(self) -> None:
         self._rpc("close_weight_sync", {})
@@ -222,3 +228,24 @@ def _to_generation(completion) -> Generation:
     if reason not in ("stop", "length", "abort"):
         raise ValueError(f"vLLM returned an unknown finish_reason {reason!r}")
     return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def merge_worker_reports(reports: Sequence[WeightSyncReport]) -> WeightSyncReport:
+    """One engine's workers' reports of one sync as one report, with the slowest worker's ``seconds``.
+
+    Every worker receives the whole sync, so the other keys agree; a ``RuntimeError`` says which do not.
+    """
+    if not reports:
+        raise RuntimeError("receive_weights: the engine returned no worker reports")
+    merged = reports[0].copy()
+    for rank, report in enumerate(reports[1:], start=1):
+        differ = sorted(k for k in merged if k != "seconds" and report.get(k) != merged.get(k))
+        if differ:
+            theirs = ", ".join(f"{k}={report.get(k)!r}" for k in differ)
+            ours = ", ".join(f"{k}={merged.get(k)!r}" for k in differ)
+            raise RuntimeError(
+                f"receive_weights: worker {rank} reports {theirs}, worker 0 {ours}: they received "
+                "different syncs"
+            )
+    merged["seconds"] = max(report["seconds"] for report in reports)
+    return merged

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_testkit.tiny_model import TinyModelSpec, build_tiny_model
+from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.errors import WeightSyncError
-from rlhf_weightsync.transport import Tamper
+from rlhf_weightsync.protocol import Tamper
 
 __all__ = ["BroadcastTransport"]
 

@@ -7,7 +7,8 @@ from typing import Self
 import torch
 
 from rlhf_weightsync._rendezvous import Rendezvous
-from rlhf_weightsync.transport import TRANSPORTS, Transport, TransportName, open_transport
+from rlhf_weightsync.protocol import TRANSPORTS, Transport, TransportName
+from rlhf_weightsync.transport import open_transport
 
 __all__ = ["Endpoint", "check_transport_name"]
 

@@ -27,7 +27,7 @@ import torch
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync._shmfile import share_file
 from rlhf_weightsync.errors import WeightSyncError
-from rlhf_weightsync.transport import Tamper
+from rlhf_weightsync.protocol import Tamper
 
 __all__ = ["SlotTransport"]
 

@@ -12,8 +12,8 @@ from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.checksum import word_sum
 from rlhf_weightsync.errors import ChecksumError, WeightSyncError
 from rlhf_weightsync.layout import Manifest, TensorSpec
+from rlhf_weightsync.protocol import Transport, TransportName
 from rlhf_weightsync.stats import SyncStats
-from rlhf_weightsync.transport import Transport, TransportName
 
 __all__ = ["LoadFn", "WeightReceiver"]
 

@@ -21,8 +21,8 @@ from rlhf_weightsync.layout import (
     collect,
     plan_buckets,
 )
+from rlhf_weightsync.protocol import TransportName
 from rlhf_weightsync.stats import SyncStats
-from rlhf_weightsync.transport import TransportName
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GatherFn", "WeightSender", "gather_along"]
 

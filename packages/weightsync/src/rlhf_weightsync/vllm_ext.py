@@ -4,7 +4,8 @@ vLLM mixes this class into its worker when given
 ``LLM(..., worker_extension_cls="rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension")``; its methods
 are then called on every worker through ``llm.collective_rpc(name, kwargs=...)``. This module does
 not import vllm (the worker already has), and the class adds only the three public methods below
-(vLLM refuses extension attributes that clash with the worker's).
+(vLLM refuses extension attributes that clash with the worker's). ``receive_weights`` returns a plain
+dict (:class:`~rlhf_weightsync.stats.WeightSyncReport`): ``collective_rpc`` hands it back unchanged.
 
 Loading goes through the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``,
 which re-runs vLLM's post-load processing: on the CPU backend the forward uses pre-packed copies
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from rlhf_weightsync.stats import WeightSyncReport
 
 __all__ = ["WeightSyncWorkerExtension"]
 
@@ -99,8 +102,9 @@ class WeightSyncWorkerExtension:
             device=device,
         )
 
-    def receive_weights(self, *, timeout_s: float | None = None) -> dict:
-        """Receive one sync, verify it and load it; return ``{"version", "num_tensors", "num_bytes", "seconds"}``.
+    def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        """Receive one sync, verify it and load it; return its :class:`SyncStats` as a plain-dict
+        :class:`WeightSyncReport` (``SyncStats.from_report`` rebuilds them).
 
         ``timeout_s`` bounds the wait for the sender to start the sync (default: the group's timeout).
         """
@@ -109,12 +113,7 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("receive_weights: call init_weight_sync first")
 
         stats = receiver.receive(self._rlhf_load_callback(), timeout_s=timeout_s, aliases=True)
-        return {
-            "version": stats.version,
-            "num_tensors": stats.num_tensors,
-            "num_bytes": stats.num_bytes,
-            "seconds": stats.seconds,
-        }
+        return stats.to_report()
 
     # Hooks a subclass for another kind of worker overrides (private names: vLLM refuses extension
     # attributes that clash with its worker's).

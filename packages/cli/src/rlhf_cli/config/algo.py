@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
-from rlhf_algos import EstimatorName, ISCorrection, KLEstimator, LossAggregation, RatioType
+from pydantic import Field, field_validator, model_validator
+from rlhf_algos import ADVANTAGE_ESTIMATORS, ISCorrection, KLEstimator, LossAggregation, RatioType
 
 from rlhf_cli.config._base import Section
 
@@ -20,15 +24,55 @@ __all__ = [
 ]
 
 
+def load_estimator_plugin(path: Path) -> None:
+    """Execute ``path`` (it registers estimators with ``rlhf_algos.register_estimator``) once per process;
+    errors name the file."""
+    name = "_rlhf_estimators_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{str(path)!r} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ValueError(f"running {str(path)!r} failed: {err!r}") from None
+    sys.modules[name] = module
+
+
 class AdvantageConfig(Section):
-    estimator: EstimatorName = "group_norm"
-    """gae (needs the critic), reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo."""
+    plugin: Path | None = None
+    """A Python file that registers estimators (rlhf_algos.register_estimator), run once before the
+    name is checked. The file is executed: pass only files you trust."""
+    estimator: str = "group_norm"
+    """A name in rlhf-algos' estimator registry (`rlhf estimators` lists them): gae (needs the critic),
+    reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo, or one --algo.advantage.plugin
+    registers."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount factor."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda (gae only)."""
     reward_clip: float | None = Field(None, gt=0)
     """Clip sequence rewards to [-reward_clip, reward_clip]."""
+
+    @field_validator("plugin")
+    @classmethod
+    def _load_plugin(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            load_estimator_plugin(path)
+        return path
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"{name!r} is not a registered estimator; registered: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
+            )
+        return name
 
 
 class KLConfig(Section):

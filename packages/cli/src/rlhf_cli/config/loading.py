@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "FieldInfo", "build_config", "dump_yaml", "iter_fields", "parse_flags"]
+__all__ = [
+    "ConfigError",
+    "FieldInfo",
+    "build_config",
+    "dump_yaml",
+    "flat_items",
+    "iter_fields",
+    "parse_flags",
+]
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -140,10 +148,11 @@ def _set(tree: dict, path: str, value: Any, *, append: bool) -> None:
         node[leaf] = value
 
 
-def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flat_items(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted.path, leaf)`` of a nested mapping (an empty mapping is a leaf)."""
     for k, v in tree.items():
         if isinstance(v, dict) and v:
-            yield from _flat(v, f"{prefix}{k}.")
+            yield from flat_items(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
 
@@ -236,7 +245,7 @@ def _load_yaml(path: Path, cls: type[BaseModel]) -> dict:
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     valid = [f.path for f in iter_fields(cls)]
     sections = {p.rsplit(".", i)[0] for p in valid for i in range(1, p.count(".") + 1)}
-    for key, _ in _flat(data):
+    for key, _ in flat_items(data):
         if key not in valid and key not in sections:
             raise ConfigError(f"{path}: unknown key {key}{_suggest(key, valid, dash='')}")
     return data
@@ -247,7 +256,7 @@ def build_config(cls: type[T], argv: Sequence[str] = (), *, config_file: Path | 
     data = _load_yaml(config_file, cls) if config_file is not None else {}
     flags = parse_flags(cls, argv)
     merged = _merge(data, flags)
-    flag_paths = {p for p, _ in _flat(flags)}
+    flag_paths = {p for p, _ in flat_items(flags)}
     try:
         return cls.model_validate(merged)
     except ValidationError as err:

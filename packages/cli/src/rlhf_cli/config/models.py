@@ -37,6 +37,9 @@ class ActorConfig(GroupShape):
     """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
     lora: LoraOptions | None = None
     """LoRA adapters on the actor (set any field, e.g. --actor.lora.rank 8, to switch it on)."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of a mixture-of-experts model's router auxiliary (load-balancing) loss in the policy loss
+    (0: off; a model without a router loss is refused when it is set)."""
 
 
 class CriticConfig(GroupShape):

@@ -74,7 +74,8 @@ class PPOConfig(Section):
         return self.samples_per_step // self.actor.world_size // self.train.micro_batch_size
 
     @model_validator(mode="after")
-    def _consistent(self) -> PPOConfig:
+    def _algorithm(self) -> PPOConfig:
+        """The estimator, filters, corrections and penalties agree with the sampling settings."""
         est = ADVANTAGE_ESTIMATORS[self.algo.advantage.estimator]
         n = self.rollout.n_samples_per_prompt
         if est.group_shaping is not None and n < 2:
@@ -97,6 +98,25 @@ class PPOConfig(Section):
                 f"--algo.loss_agg {self.algo.loss_agg} averages over sequences, but --train.packing puts "
                 "several in one row: add --train.packing false"
             )
+        if self.rollout.top_p < 1 and self.algo.is_correction.mode != "none":
+            raise ValueError(
+                "--algo.is_correction with --rollout.top_p < 1: the engine's log-probs are of the top-p truncated "
+                "distribution, the learner's of the full one, so their ratio is no importance weight"
+            )
+        if self.algo.is_correction.low >= self.algo.is_correction.high:
+            raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
+        if self.algo.dynamic_filtering.low >= self.algo.dynamic_filtering.high:
+            raise ValueError("--algo.dynamic_filtering.low must be below --algo.dynamic_filtering.high")
+        ob = self.algo.overlong.buffer_length
+        if ob > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"--algo.overlong.buffer_length {ob} exceeds --rollout.max_new_tokens {self.rollout.max_new_tokens}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batches(self) -> PPOConfig:
+        """Each group's ranks get equal shards that the micro-batch size divides."""
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
         ranks = self.actor.world_size
         per_rank, rest = divmod(self.samples_per_step, ranks)
@@ -122,24 +142,11 @@ class PPOConfig(Section):
                     f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
                     f"{self.samples_per_step // c_ranks} samples each of the critic's {c_ranks} ranks trains on"
                 )
-        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
-            raise ValueError(
-                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by rlhf ppo yet"
-            )
-        if self.rollout.top_p < 1 and self.algo.is_correction.mode != "none":
-            raise ValueError(
-                "--algo.is_correction with --rollout.top_p < 1: the engine's log-probs are of the top-p truncated "
-                "distribution, the learner's of the full one, so their ratio is no importance weight"
-            )
-        if self.algo.is_correction.low >= self.algo.is_correction.high:
-            raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
-        if self.algo.dynamic_filtering.low >= self.algo.dynamic_filtering.high:
-            raise ValueError("--algo.dynamic_filtering.low must be below --algo.dynamic_filtering.high")
-        ob = self.algo.overlong.buffer_length
-        if ob > self.rollout.max_new_tokens:
-            raise ValueError(
-                f"--algo.overlong.buffer_length {ob} exceeds --rollout.max_new_tokens {self.rollout.max_new_tokens}"
-            )
+        return self
+
+    @model_validator(mode="after")
+    def _inputs(self) -> PPOConfig:
+        """A model, data and exactly one reward source, in a combination that makes sense."""
         if self.actor.pretrain is None and self.data.path is not None:
             raise ValueError("--data.path is set but --actor.pretrain is not: give the model to train")
         if self.data.path is not None and self.reward.source is None and self.train.agent_func_path is None:
@@ -157,6 +164,15 @@ class PPOConfig(Section):
             raise ValueError(
                 "--algo.kl.coef > 0 with the built-in warm-up: the reference would be the untrained model; "
                 "set --train.warmup_sft_steps 0 or --ref.pretrain"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> PPOConfig:
+        """Parallelism options the groups and engines can run."""
+        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
+            raise ValueError(
+                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by rlhf ppo yet"
             )
         if self.actor.lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")

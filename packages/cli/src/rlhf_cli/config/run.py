@@ -53,9 +53,17 @@ class TrainConfig(Section):
     dynamic_batch: bool = False
     """Token-balanced micro-batches (similar token counts) instead of equal sample counts."""
     agent_func_path: Path | None = None
-    """A .py file defining make_env() (multi-turn reset/step environment) or reward_func (it is executed: trust it)."""
+    """A .py file (it is executed: trust it) defining one of: make_env() (a multi-turn reset/step
+    environment); reward_func (single turn); or 'async def run_agent(*, base_url, prompt, label) -> float',
+    an agent that calls the policy with an OpenAI client at base_url (a server on 127.0.0.1 that records
+    every call's exact tokens) and returns the episode's reward. Calls sample at --rollout.temperature /
+    top_p with at most --rollout.max_new_tokens; calls that extend the previous call's exact tokens
+    (extra_body={'return_token_ids': True}, then a completion on those ids) form one trajectory, else the
+    last call's sequence is trained on."""
     max_turns: int = Field(4, ge=1)
     """Turns per multi-turn episode at most."""
+    agent_timeout_s: float = Field(600.0, gt=0)
+    """run_agent agents: seconds one episode (all its model calls) may take."""
     warmup_sft_steps: int = Field(40, ge=0)
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from rlhf_learner.models.loading import (
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+
+if TYPE_CHECKING:
+    from rlhf_learner.lora import LoraOptions
 
 __all__ = ["Actor", "ActorOutput", "load_causal_lm", "load_reference"]
 
@@ -30,11 +33,18 @@ class ActorOutput(NamedTuple):
 
 
 def load_causal_lm(
-    path: str | Path, *, options: ModelOptions | None = None, ds_config: dict[str, Any] | None = None
+    path: str | Path,
+    *,
+    options: ModelOptions | None = None,
+    ds_config: dict[str, Any] | None = None,
+    lora: LoraOptions | None = None,
 ) -> nn.Module:
     """Load a ``*ForCausalLM`` folder with transformers, after checking it.
 
-    Under a ZeRO-3 ``ds_config`` the model is built partitioned (see :func:`zero3_construction`).
+    Under a ZeRO-3 ``ds_config`` the model is built partitioned (see :func:`zero3_construction`). With
+    ``lora`` the result is the peft model (:func:`~rlhf_learner.lora.apply_lora`); with
+    ``lora.load_in_4bit`` its base is loaded in 4-bit NF4 first (QLoRA: CUDA + bitsandbytes, not ZeRO-3,
+    else a ValueError naming ``load_in_4bit``).
     """
     from transformers import AutoModelForCausalLM
 
@@ -46,14 +56,30 @@ def load_causal_lm(
         cls: Any = AutoLigerKernelForCausalLM
     else:
         cls = AutoModelForCausalLM
-    with zero3_construction(ds_config, cfg.get("model_type", "")):
-        model = cls.from_pretrained(
-            str(path), dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+    if lora is not None and lora.load_in_4bit:
+        from rlhf_learner.lora import check_4bit, load_qlora_base
+
+        check_4bit(zero_stage=(ds_config or {}).get("zero_optimization", {}).get("stage"))
+        model = load_qlora_base(
+            path,
+            attn_implementation=options.attn_implementation,
+            gradient_checkpointing=options.gradient_checkpointing,
+            model_class=cls,
         )
+    else:
+        with zero3_construction(ds_config, cfg.get("model_type", "")):
+            model = cls.from_pretrained(
+                str(path), dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+            )
+        if options.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if options.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model
+    if lora is None:
+        return model
+    from rlhf_learner.lora import apply_lora
+
+    return apply_lora(model, lora)
 
 
 class Actor(nn.Module):
@@ -175,13 +201,14 @@ def load_reference(
     options: ModelOptions | None = None,
     ds_config: dict[str, Any] | None = None,
     temperature: float = 1.0,
+    sequence_parallel_group: Any = None,
 ) -> Actor:
     """A frozen actor (eval mode, no gradients) for reference log-probs. Pass an inference ZeRO-3
     ``ds_config`` (``build_ds_config(..., train=False)``) to shard it, then wrap it with
-    ``Strategy.prepare(..., train=False)``."""
+    ``Strategy.prepare(..., train=False)``. ``sequence_parallel_group``: as for :class:`Actor`."""
     model = load_causal_lm(path, options=options, ds_config=ds_config)
     model.eval()
     model.requires_grad_(False)
-    ref = Actor(model, temperature=temperature)
+    ref = Actor(model, temperature=temperature, sequence_parallel_group=sequence_parallel_group)
     ref.eval()
     return ref

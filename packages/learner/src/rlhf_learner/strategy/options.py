@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 __all__ = ["OptimizerName", "Precision", "StrategyOptions", "build_ds_config"]
@@ -85,6 +85,16 @@ class StrategyOptions:
             _require_muon()
         if self.tensor_parallel_size > 1:
             _require_autotp()
+
+    def for_inference(self) -> StrategyOptions:
+        """These options for a frozen model (reference, reward model: no optimizer or gradients).
+
+        With ZeRO-1/2 a frozen model runs as plain replicas (stage 0, no optimizer offload): there is
+        nothing to shard. ZeRO-3 still shards its parameters (and keeps parameter offload). Everything
+        else (precision, tensor / sequence parallel sizes, seed, timeout) is kept.
+        """
+        stage = 0 if self.zero_stage in (1, 2) else self.zero_stage
+        return replace(self, zero_stage=stage, offload_optimizer=False)
 
 
 def _require_muon() -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import random
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -16,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf_learner.strategy.distributed import init_distributed
+from rlhf_learner.strategy.export import DEFAULT_MAX_SHARD_BYTES, check_max_shard_bytes, write_hf_folder
 from rlhf_learner.strategy.options import StrategyOptions, build_ds_config
 
 __all__ = ["Strategy", "gather_params", "set_seed", "unwrap_hf_model"]
@@ -95,18 +94,36 @@ class Strategy:
 
         strategy = Strategy(StrategyOptions(zero_stage=3))
         strategy.setup_distributed()
-        actor = Actor(load_causal_lm(path, ds_config=strategy.ds_config()))
+        actor = Actor(
+            load_causal_lm(path, ds_config=strategy.ds_config()),
+            sequence_parallel_group=strategy.sequence_parallel_group,  # None unless sequence_parallel_size > 1
+        )
         engine = strategy.prepare(actor)
     """
 
     def __init__(self, options: StrategyOptions) -> None:
         self.options = options
+        self._sp_group: Any = None
+        self._sp_ready = False
 
     def setup_distributed(self, **kwargs: Any) -> tuple[int, int]:
-        """:func:`init_distributed` with this strategy's timeout, then seed every rank alike."""
+        """:func:`init_distributed` with this strategy's timeout, seed every rank alike, and (with
+        ``sequence_parallel_size > 1``) create the sequence-parallel groups: see
+        :attr:`sequence_parallel_group`. Collective: every rank must call it."""
         out = init_distributed(timeout_s=self.options.timeout_s, **kwargs)
         set_seed(self.options.seed)
+        self._check_world()
+        self._sp_group = self._new_sequence_parallel_group()
+        self._sp_ready = True
         return out
+
+    def _check_world(self) -> None:
+        split = self.options.tensor_parallel_size * self.options.sequence_parallel_size
+        if self.world_size % split:
+            raise ValueError(
+                f"tensor_parallel_size * sequence_parallel_size = {split} does not divide the world size "
+                f"{self.world_size}"
+            )
 
     @property
     def rank(self) -> int:
@@ -116,31 +133,47 @@ class Strategy:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Distinct data shards: ``world_size / (tensor_parallel_size * sequence_parallel_size)``."""
+        return self.world_size // (self.options.tensor_parallel_size * self.options.sequence_parallel_size)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """The data shard this rank trains on. Ranks ``k*n .. k*n + n - 1`` (``n`` = tensor_parallel_size *
+        sequence_parallel_size, consecutive blocks, as DeepSpeed's AutoTP groups are too) share shard ``k``:
+        they must get the same micro-batches."""
+        return self.rank // (self.options.tensor_parallel_size * self.options.sequence_parallel_size)
+
     def ds_config(self, *, train: bool = True) -> dict[str, Any]:
         """The DeepSpeed config for a trained (``train=True``) or inference-only model."""
         config = build_ds_config(self.options, train=train)
-        split = self.options.tensor_parallel_size * self.options.sequence_parallel_size
-        if self.world_size % split:
-            raise ValueError(
-                f"world size {self.world_size} is not a multiple of "
-                f"tensor_parallel_size * sequence_parallel_size = {split}"
-            )
+        self._check_world()
         return config
 
+    @property
     def sequence_parallel_group(self) -> Any:
-        """This rank's sequence-parallel group (blocks of ``sequence_parallel_size`` consecutive ranks),
-        or None when ``sequence_parallel_size == 1``. Collective: every rank must call it.
+        """This rank's sequence-parallel group (blocks of ``sequence_parallel_size`` consecutive ranks, made
+        by :meth:`setup_distributed`), or None when ``sequence_parallel_size == 1``. Pass it to
+        ``Actor(..., sequence_parallel_group=)``.
 
         Ranks of one group must get the same micro-batches (they split each sequence between them).
         The update steps need no change: the loss counts and DeepSpeed's gradient average run over the
         whole world, and each rank's gradient carries ``sequence_parallel_size`` times its chunk's
         contribution (the backward of the differentiable gather sums over the group), so the average is
         the gradient of the data-parallel batch's loss."""
+        if self.options.sequence_parallel_size == 1:
+            return None
+        if not self._sp_ready:
+            raise RuntimeError("sequence_parallel_group: call setup_distributed() first (it creates the groups)")
+        return self._sp_group
+
+    def _new_sequence_parallel_group(self) -> Any:
+        """Create every block's group (collective: ``new_group`` must be called alike on all ranks);
+        return this rank's."""
         sp = self.options.sequence_parallel_size
         if sp == 1:
             return None
-        if self.world_size % sp:
-            raise ValueError(f"sequence_parallel_size {sp} does not divide the world size {self.world_size}")
         if sp == self.world_size:
             return dist.group.WORLD
         mine = None
@@ -217,10 +250,14 @@ class Strategy:
 
     # --- export --------------------------------------------------------------------------------
 
-    def full_state_dict(self, model: nn.Module, *, prefix_to_strip: str = "") -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, model: nn.Module, *, prefix_to_strip: str = "", rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The full (gathered) weights of ``model`` as CPU tensors, one entry per distinct tensor
-        (tied parameters appear once, under their first name). Collective under ZeRO-3; every rank
-        gets the dict."""
+        (tied parameters appear once, under their first name). Collective under ZeRO-3 / AutoTP; every
+        rank gets the dict, or with ``rank0_only`` only rank 0 (the others take part in each gather and
+        get ``{}``, holding no copy)."""
+        keep = not rank0_only or self.rank == 0
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -228,7 +265,10 @@ class Strategy:
                 continue
             seen.add(id(p))
             with gather_params([p]):
-                out[name.removeprefix(prefix_to_strip)] = p.detach().to("cpu", copy=True).contiguous()
+                if keep:
+                    out[name.removeprefix(prefix_to_strip)] = p.detach().to("cpu", copy=True).contiguous()
+        if not keep:
+            return out
         for name, b in model.named_buffers():
             if name.endswith("inv_freq"):
                 continue
@@ -242,40 +282,36 @@ class Strategy:
         *,
         tokenizer: Any = None,
         dtype: torch.dtype | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> Path:
-        """Write a Hugging Face folder (``model.safetensors`` + config + generation config + tokenizer).
+        """Write a Hugging Face folder: safetensors weights, config (recording the weights' dtype),
+        generation config and tokenizer.
 
-        ``model`` is the engine's module or a wrapper holding the transformers model as ``.model``
-        (actor, critic, reward model); a peft LoRA model is merged first (on a copy of the weights,
-        the trained model is unchanged). Collective under ZeRO-3; rank 0 writes.
+        The weights go to one ``model.safetensors`` up to ``max_shard_bytes`` (default 5 GiB), else to
+        ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``. ``dtype``
+        (e.g. ``torch.bfloat16``) casts the floating-point weights. ``model`` is the engine's module
+        or a wrapper holding the transformers model as ``.model`` (actor, critic, reward model); a peft
+        LoRA model is merged first (on a copy of the weights, the trained model is unchanged).
+        Collective under ZeRO-3 / AutoTP: every rank takes part in the gathers, but only rank 0 keeps
+        the weights and touches ``directory`` (the other ranks' ``directory`` is not used).
         """
-        from safetensors.torch import save_file
-
+        check_max_shard_bytes(max_shard_bytes)  # on every rank, before any collective
         hf = unwrap_hf_model(model)
-        state = self.full_state_dict(hf)
-        if hasattr(hf, "peft_config"):
-            from rlhf_learner.lora import merged_state_dict
-
-            state, hf = merged_state_dict(hf, state)
-        if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        directory = Path(directory)
+        base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+        if getattr(base, "is_loaded_in_4bit", False):
+            raise ValueError(
+                "export_hf: a load_in_4bit (QLoRA) model cannot be exported merged; save_adapter() it and "
+                "merge_adapter() into the full-precision base"
+            )
+        state = self.full_state_dict(hf, rank0_only=True)
         if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-            hf.config.save_pretrained(str(directory))
+            if hasattr(hf, "peft_config"):
+                from rlhf_learner.lora import merged_state_dict
+
+                state, hf = merged_state_dict(hf, state)
             if dtype is not None:
-                cfg = json.loads((directory / "config.json").read_text())
-                cfg["dtype"] = str(dtype).removeprefix("torch.")
-                (directory / "config.json").write_text(json.dumps(cfg, indent=2))
-            gen = getattr(hf, "generation_config", None)
-            if gen is not None:
-                try:
-                    gen.save_pretrained(str(directory))
-                except ValueError as err:  # transformers refuses to save an invalid generation config
-                    warnings.warn(f"export_hf: generation_config.json not written: {err}", stacklevel=2)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(directory))
+                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            write_hf_folder(directory, state, hf, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
         if dist.is_initialized():
             dist.barrier()
-        return directory
+        return Path(directory)

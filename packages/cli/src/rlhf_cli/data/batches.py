@@ -1,0 +1,188 @@
+"""Batches between the recipe and the learner groups: one sample (:class:`Sample`), and builders of
+rlhf-learner's typed micro-batch of each update step (rows packed where the step allows)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from rlhf_learner import (
+    DPOBatch,
+    KTOBatch,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    ValueBatch,
+    pack_sequences,
+)
+
+if TYPE_CHECKING:
+    from rlhf_cli.data.examples import Example, KTOExample, PreferencePair
+
+__all__ = [
+    "Rows",
+    "Sample",
+    "dpo_batch",
+    "example_rows",
+    "kto_batch",
+    "pad_stack",
+    "policy_batch",
+    "reward_batch",
+    "sft_batch",
+    "sft_batch_from_examples",
+    "to_rows",
+    "value_batch",
+]
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One trajectory; every tensor is ``[T]`` aligned with ``token_ids`` (log-probs and values at
+    column ``t`` describe the choice of token ``t``)."""
+
+    token_ids: torch.Tensor
+    action_mask: torch.Tensor
+    """True on the tokens the policy sampled (the ones trained on)."""
+    rollout_logp: torch.Tensor
+    """The engine's log-probs of the sampled tokens (0 elsewhere)."""
+    score: float
+    """The reward source's score (what filters and pass rates read)."""
+    reward: float
+    """The sequence reward the advantages start from (score plus penalties)."""
+    truncated: bool
+    prompt_index: int
+    weight_version: int
+    """Version of the engine's weights that sampled it."""
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.action_mask.sum())
+
+
+@dataclass(kw_only=True)
+class Rows:
+    """Sequences laid out as model rows: packed (``position_ids``) or right-padded (``attention_mask``)."""
+
+    tensors: dict[str, torch.Tensor]
+    placement: list[tuple[int, int, int]]
+    """For each sequence: ``(row, start, length)``."""
+
+    def split(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """A per-token ``[R, L]`` result back into one ``[T_i]`` tensor per sequence."""
+        return [value[r, s : s + n] for r, s, n in self.placement]
+
+
+def to_rows(sequences: Sequence[dict[str, torch.Tensor]], *, packing: bool) -> Rows:
+    """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: one packed
+    row (``position_ids`` restart per sequence, no padding between them) or right-padded rows."""
+    if packing:
+        total = sum(int(s["input_ids"].shape[0]) for s in sequences)
+        packed = pack_sequences(sequences, max_tokens_per_row=total)
+        return Rows(tensors=packed.tensors, placement=packed.placement)
+    width = max(int(s["input_ids"].shape[0]) for s in sequences)
+    out = {k: pad_stack([s[k] for s in sequences], width) for k in sequences[0]}
+    out["attention_mask"] = pad_stack([torch.ones_like(s["input_ids"]) for s in sequences], width)
+    return Rows(
+        tensors=out, placement=[(i, 0, int(s["input_ids"].shape[0])) for i, s in enumerate(sequences)]
+    )
+
+
+def pad_stack(values: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Right-pad 1-D tensors with zeros to ``width`` (default: the longest) and stack them."""
+    width = width or max(int(v.shape[0]) for v in values)
+    out = torch.zeros((len(values), width), dtype=values[0].dtype)
+    for i, v in enumerate(values):
+        out[i, : v.shape[0]] = v
+    return out
+
+
+def _sample_rows(
+    samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str
+) -> dict[str, torch.Tensor]:
+    """Rows of ``samples``: ``input_ids`` plus, per ``{field: Sample attribute}``, that attribute."""
+    seqs = []
+    for s in samples:
+        d = {"input_ids": s.token_ids}
+        for out_name, attr in per_token.items():
+            value = getattr(s, attr)
+            if value is None:
+                raise ValueError(f"{what}: sample has no {attr}")
+            d[out_name] = value
+        seqs.append(d)
+    return to_rows(seqs, packing=packing).tensors
+
+
+def policy_batch(
+    samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
+) -> PolicyBatch:
+    """The micro-batch of ``ppo_actor_step`` (``ref_logp`` for a KL loss, ``rollout_logp`` for
+    importance-sampling correction)."""
+    per_token = {"action_mask": "action_mask", "old_logp": "old_logp", "advantages": "advantages"}
+    if with_ref:
+        per_token["ref_logp"] = "ref_logp"
+    if with_rollout:
+        per_token["rollout_logp"] = "rollout_logp"
+    return PolicyBatch(**_sample_rows(samples, per_token, packing=packing, what="policy_batch"))
+
+
+def value_batch(samples: Sequence[Sample], *, packing: bool) -> ValueBatch:
+    """The micro-batch of ``critic_step``."""
+    per_token = {"action_mask": "action_mask", "old_values": "values", "returns": "returns"}
+    return ValueBatch(**_sample_rows(samples, per_token, packing=packing, what="value_batch"))
+
+
+def sft_batch(samples: Sequence[Sample], *, packing: bool) -> SFTBatch:
+    """``sft_step`` on trajectories: the loss is on their sampled tokens."""
+    return SFTBatch(**_sample_rows(samples, {"loss_mask": "action_mask"}, packing=packing, what="sft_batch"))
+
+
+def sft_batch_from_examples(examples: Sequence[Example], *, packing: bool) -> SFTBatch:
+    """``sft_step`` on training examples: the loss is on their ``loss_mask`` tokens."""
+    return SFTBatch(**example_rows(examples, packing=packing))
+
+
+def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``loss_mask`` and ``attention_mask`` or ``position_ids`` of training examples."""
+    return to_rows(
+        [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples], packing=packing
+    ).tensors
+
+
+def _pair_rows(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:
+    """``2P`` padded rows, the chosen responses then the rejected ones (the steps read one score or
+    sum per row)."""
+    return example_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], packing=False)
+
+
+def reward_batch(pairs: Sequence[PreferencePair]) -> RewardBatch:
+    """The micro-batch of ``reward_model_step``."""
+    rows = _pair_rows(pairs)
+    return RewardBatch(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"])
+
+
+def dpo_batch(pairs: Sequence[PreferencePair], *, ref_logp: torch.Tensor) -> DPOBatch:
+    """The micro-batch of ``dpo_step``; ``ref_logp`` ``[2P]``: the reference's summed response
+    log-probs, chosen then rejected."""
+    return DPOBatch(**_pair_rows(pairs), ref_logp=ref_logp)
+
+
+def kto_batch(examples: Sequence[KTOExample], *, ref_logp: torch.Tensor) -> KTOBatch:
+    """The micro-batch of ``kto_step``: ``N`` example rows then their ``N`` mismatched rows (padded);
+    ``ref_logp`` ``[2N]`` in that order."""
+    rows = [e.example for e in examples] + [e.mismatched for e in examples]
+    return KTOBatch(
+        **example_rows(rows, packing=False),
+        ref_logp=ref_logp,
+        desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+    )

@@ -1,0 +1,237 @@
+"""The loop the offline commands (sft, rm, dpo, kto) share: set-up (the run skeleton, the trained group,
+the frozen reference) -> train (batch -> per-rank micro-batches -> update step -> evaluate -> log ->
+checkpoint) -> clean-up (export). What differs per command is an :class:`Objective`."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from rlhf_cli.config import OfflineConfig
+from rlhf_cli.data.examples import ExampleSet, split_heldout
+from rlhf_cli.data.prompts import PromptCursor
+from rlhf_cli.demo import task
+from rlhf_cli.runtime.checkpoint import RunState
+from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.group import LearnerGroup, launch_groups
+from rlhf_cli.runtime.placement import Plan, make_offline_plan
+from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_cli.runtime.specs import GroupSpec, Role, group_strategy
+from rlhf_cli.runtime.tracking import Display
+
+__all__ = [
+    "Groups",
+    "Objective",
+    "OfflineResult",
+    "load_examples",
+    "offline_plan",
+    "run_command",
+    "total_steps",
+]
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OfflineResult:
+    run_dir: Path
+    final_model: Path
+    adapter: Path | None
+    """The LoRA adapter alone (``final_adapter``), when the run trained one."""
+    history: list[dict]
+    summary: str
+
+
+@dataclass(kw_only=True)
+class Groups:
+    """The running learner groups of an offline run (their stops are registered with the run)."""
+
+    model: LearnerGroup
+    ref: LearnerGroup | None
+    free_ref_bundles: Callable[[], None] = lambda: None
+    """Removes the reference's placement group (registered with the run too; removing twice is fine)."""
+
+    def stop_ref(self) -> None:
+        """Stop the reference group and free its bundles (after precomputing its log-probs)."""
+        if self.ref is not None:
+            self.ref.shutdown()
+            self.ref = None
+            self.free_ref_bundles()
+
+
+class Objective(Protocol[E]):
+    """One command's training: its step, its evaluation and its curves."""
+
+    display: Display
+
+    def prepare(self, train: list[E], evals: list[E]) -> tuple[list[E], list[E]]:
+        """Before the first step (e.g. precompute reference log-probs); returns the examples to use."""
+        ...
+
+    def step(self, per_rank: Sequence[Sequence[Sequence[E]]]) -> dict[str, float]:
+        """One optimizer step; ``per_rank[r]`` is rank r's list of micro-batches."""
+        ...
+
+    def evaluate(self, examples: list[E]) -> dict[str, float]: ...
+
+    def finish(self, train: list[E]) -> None:
+        """After the last step, before the export (e.g. store the reward normalisation)."""
+        ...
+
+
+def _plan_for(cfg: OfflineConfig, with_ref: bool, resources: ClusterResources, num_params: int) -> Plan:
+    return make_offline_plan(cfg, resources, num_params=num_params, with_ref=with_ref)
+
+
+def offline_plan(cfg: OfflineConfig, *, with_ref: bool) -> Plan:
+    """The placement plan (``--dry-run``)."""
+    return dry_run_plan(cfg, cfg.model.pretrain, functools.partial(_plan_for, cfg, with_ref))
+
+
+def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role) -> Groups:
+    """The trained group (``role``: actor for a policy, reward for a reward model) and the reference."""
+
+    def strategy(world: int, *, frozen: bool) -> Any:
+        return group_strategy(
+            cfg.ds,
+            lr=cfg.learning_rate,
+            micro_batch_size=cfg.train.micro_batch_size,
+            grad_accum_steps=cfg.grad_accum_steps,
+            seed=cfg.train.seed,
+            frozen=frozen,
+        )
+
+    w, path = cfg.model.world_size, str(r.model_dir)
+    specs = {
+        "model": GroupSpec(
+            role=role,
+            model_path=path,
+            world_size=w,
+            strategy=strategy(w, frozen=False),
+            model=cfg.model.options,
+            lora=getattr(cfg, "lora", None),
+            trains=True,
+        )
+    }
+    if r.plan.group("ref") is not None:
+        ref = cfg.ref  # type: ignore[attr-defined]
+        specs["ref"] = GroupSpec(
+            role="ref",
+            model_path=ref.pretrain or path,
+            world_size=ref.world_size,
+            strategy=strategy(ref.world_size, frozen=True),
+            model=cfg.model.options,
+        )
+    pgs = placement_groups(r.plan, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit)
+    groups = launch_groups(specs, r.plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit)
+    for g in groups.values():
+        g.wait_setup()
+    return Groups(model=groups["model"], ref=groups.get("ref"), free_ref_bundles=lambda: pgs.free("ref"))
+
+
+def load_examples(
+    cfg: OfflineConfig, load: Callable[[Path, str], list[E]], *, builtin: str
+) -> tuple[list[E], list[E]]:
+    """Training and evaluation examples: ``load(path, flag)`` of ``--data.path`` (unset: the built-in
+    task's ``builtin`` data, written to the run folder) and of ``--eval.path``, or a held-out split."""
+    path = cfg.data.path  # type: ignore[attr-defined]
+    if path is None:
+        path = task.write_data(
+            builtin, Path(cfg.logger.run_dir) / "data" / f"{builtin}.jsonl", seed=cfg.train.seed
+        )
+    items = load(Path(path), "--data.path")
+    if cfg.eval.path is not None:
+        evals = load(Path(cfg.eval.path), "--eval.path")
+    else:
+        items, evals = split_heldout(items, cfg.eval.split, seed=cfg.train.seed)
+    if cfg.eval.max_samples:
+        evals = evals[: cfg.eval.max_samples]
+    return items, evals
+
+
+def total_steps(cfg: OfflineConfig, num_examples: int) -> int:
+    """Steps for ``--train.num_epochs`` passes, rounded up (batches run on across epoch ends, so every
+    example is trained on), at most ``--train.max_steps``."""
+    steps = -(-cfg.train.num_epochs * num_examples // cfg.train.batch_size)
+    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+
+
+def _split(cfg: OfflineConfig, group: LearnerGroup, batch: list[E]) -> list[list[list[E]]]:
+    """The step's examples as ``[rank][micro-batch][example]`` (contiguous shards, equal sizes)."""
+    m = cfg.train.micro_batch_size
+    return [[shard[i : i + m] for i in range(0, len(shard), m)] for shard in group.shards(batch)]
+
+
+def _check_ref_dir(cfg: OfflineConfig) -> None:
+    ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
+    if ref_dir is not None:
+        from rlhf_learner.models import check_model_dir
+
+        try:
+            check_model_dir(ref_dir)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"--ref.pretrain: {err}") from None
+
+
+def run_command(
+    cfg: OfflineConfig,
+    *,
+    role: Role,
+    builtin: str,
+    load: Callable[[Path, Any, str], list[E]],
+    make_objective: Callable[[Groups], Objective[E]],
+    with_ref: bool,
+) -> OfflineResult:
+    """Train ``make_objective(groups)`` on ``load(path, tokenizer, flag)``'s examples (``builtin`` data
+    when ``--data.path`` is unset) and export the model (see the module doc)."""
+    from transformers import AutoTokenizer
+
+    # ---- set-up -------------------------------------------------------------------------------
+    setup = prepare_run(
+        cfg, pretrain=cfg.model.pretrain, plan_for=functools.partial(_plan_for, cfg, with_ref)
+    )
+    _check_ref_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
+    train_items, eval_items = load_examples(
+        cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin
+    )
+    with setup.start() as r:
+        groups = _start_groups(cfg, r, role=role)
+        objective = make_objective(groups)
+        state = r.resume({"model": groups.model}, RunState(cursor=PromptCursor()))
+        train_items, eval_items = objective.prepare(train_items, eval_items)
+        train_set = ExampleSet(items=train_items, seed=cfg.train.seed, cursor=state.cursor)
+        steps = total_steps(cfg, len(train_items))
+        tracker = r.start_tracker(total_steps=steps, state=state, display=objective.display)
+        schedule = EvalSchedule(every=cfg.eval.every if eval_items else 0, last_step=steps)
+
+        # ---- train ------------------------------------------------------------------------------
+        for step in range(state.step + 1, steps + 1):
+            t0 = time.perf_counter()
+            metrics = objective.evaluate(eval_items) if schedule.before(step) else {}
+            metrics |= objective.step(_split(cfg, groups.model, train_set.next_batch(cfg.train.batch_size)))
+            if schedule.after(step):  # after the last update (as rlhf ppo does)
+                metrics |= objective.evaluate(eval_items)
+            metrics["train/epoch"] = train_set.cursor.epoch + train_set.cursor.index / len(train_items)
+            metrics["time/step"] = time.perf_counter() - t0
+            state = RunState(step=step, cursor=train_set.cursor, wandb_run_id=tracker.wandb_run_id)
+            tracker.log(step, metrics)
+            r.checkpoint(state, {"model": groups.model})
+
+        # ---- clean-up ---------------------------------------------------------------------------
+        objective.finish(train_items)
+        final, adapter = r.run_dir / "final_model", r.run_dir / "final_adapter"
+        groups.model.export(directory=str(final), tokenizer_path=str(r.model_dir))
+        has_adapter = groups.model.export_adapter(directory=str(adapter))
+        summary = tracker.close()
+        return OfflineResult(
+            run_dir=r.run_dir,
+            final_model=final,
+            adapter=adapter if has_adapter else None,
+            history=tracker.history,
+            summary=summary,
+        )

@@ -1,0 +1,197 @@
+"""What ``rlhf ppo`` starts: the learner groups (set-up runs in parallel), the rollout engines and the
+weight-sync group between the actor and the engines. Each started thing registers its stop with the run
+the moment it starts, so a failed start-up is cleaned up by the same path as a finished run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.runtime.cluster import PlacementGroups
+from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
+from rlhf_cli.runtime.placement import Plan
+from rlhf_cli.runtime.specs import GroupSpec, group_strategy
+from rlhf_cli.runtime.weight_sync import EngineWeightSync
+from rlhf_rollout import EngineClient, create_engines
+
+__all__ = ["WORKER_EXTENSION", "Components", "start_components"]
+
+WORKER_EXTENSION = {
+    "vllm": "rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension",
+    "transformers": "rlhf_weightsync.module_ext.ModuleWeightSyncExtension",
+}
+"""The weight-sync worker extension each rollout backend mixes into its workers."""
+
+Stops = Callable[[Callable[[], None]], None]
+
+
+@dataclass(kw_only=True)
+class Components:
+    tokenizer: Any
+    actor: LearnerGroup
+    critic: LearnerGroup | None
+    ref: LearnerGroup | None
+    reward: LearnerGroup | None
+    engines: EngineClient
+    sync: EngineWeightSync
+
+    def learner_groups(self) -> dict[str, LearnerGroup]:
+        """The groups whose state a checkpoint holds (the trained ones)."""
+        return {k: g for k, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
+
+
+def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
+    """One spec per group the plan places."""
+
+    def strategy(lr: float, world: int, *, frozen: bool = False) -> Any:
+        per_rank = cfg.samples_per_step // world // cfg.train.micro_batch_size
+        return group_strategy(
+            cfg.ds,
+            lr=lr,
+            micro_batch_size=cfg.train.micro_batch_size,
+            grad_accum_steps=per_rank,
+            seed=cfg.train.seed,
+            frozen=frozen,
+        )
+
+    a, t = cfg.actor, cfg.rollout.temperature
+    specs = {
+        "actor": GroupSpec(
+            role="actor",
+            model_path=path,
+            world_size=a.world_size,
+            strategy=strategy(a.lr, a.world_size),
+            model=a.model,
+            lora=a.lora,
+            temperature=t,
+        )
+    }
+    if plan.group("critic"):
+        c = cfg.critic
+        w = c.world_size
+        specs["critic"] = GroupSpec(
+            role="critic",
+            model_path=c.pretrain or path,
+            world_size=w,
+            strategy=strategy(c.lr, w),
+            model=c.model,
+        )
+    if plan.group("ref"):
+        w = cfg.ref.world_size
+        specs["ref"] = GroupSpec(
+            role="ref",
+            model_path=cfg.ref.pretrain or path,
+            world_size=w,
+            strategy=strategy(a.lr, w, frozen=True),
+            model=a.model,
+            temperature=t,
+        )
+    if plan.group("reward"):
+        w = cfg.reward.world_size
+        specs["reward"] = GroupSpec(
+            role="reward",
+            model_path=str(cfg.reward.pretrain),
+            world_size=w,
+            strategy=strategy(a.lr, w, frozen=True),
+            model=a.model,
+        )
+    return specs
+
+
+def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
+    """Constructor arguments of one rollout engine of the configured backend."""
+    common = dict(
+        model=path,
+        max_model_len=cfg.vllm.max_model_len,
+        worker_extension_cls=WORKER_EXTENSION[cfg.rollout.backend],
+    )
+    if cfg.rollout.backend == "transformers":
+        return {**common, "dtype": "float32", "device": "cuda" if gpu else "cpu"}
+    out = {
+        **common,
+        "dtype": "auto" if gpu else "float32",
+        "seed": cfg.train.seed,
+        "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
+    }
+    if gpu:
+        out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
+    return out
+
+
+def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit: Stops) -> EngineClient:
+    """``--vllm.num_engines`` engines on the engines' placement group; each one's stop registered."""
+
+    eg = plan.group("engines")
+    env = dict(worker_env())
+    if cfg.rollout.backend == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_gib)
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+    handles = create_engines(
+        num_engines=cfg.vllm.num_engines,
+        backend=cfg.rollout.backend,
+        engine_kwargs=_engine_kwargs(cfg, path, gpu=plan.device == "cuda"),
+        tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+        placement_group=pg,
+        num_cpus_per_engine=eg.bundle.get("CPU", 0),
+        num_gpus_per_engine=eg.bundle.get("GPU", 0),
+        env_vars=env,
+        start_timeout_s=cfg.ray.timeout_s,
+    )
+    for h in handles:
+        stop_at_exit(lambda h=h: _stop_engine(h))
+    return EngineClient(
+        handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size, timeout_s=cfg.ray.timeout_s
+    )
+
+
+def _stop_engine(handle: Any) -> None:
+    import ray
+
+    _quietly(lambda: ray.get(handle.shutdown.remote(), timeout=60))
+    ray.kill(handle, no_restart=True)
+
+
+def _quietly(call: Callable[[], Any]) -> None:
+    """``call()``, its error ignored (a peer that is already gone cannot say goodbye)."""
+    with contextlib.suppress(Exception):
+        call()
+
+
+def start_components(
+    cfg: PPOConfig,
+    plan: Plan,
+    pgs: PlacementGroups,
+    model_dir: Path,
+    tokenizer: Any,
+    *,
+    stop_at_exit: Stops,
+    engines: EngineClient | None = None,
+) -> Components:
+    """Start every learner group, then (while they set up) the engines unless ``engines`` are given,
+    then join the weight-sync group."""
+    path = str(model_dir)
+    groups = launch_groups(
+        _specs(cfg, plan, path), plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit
+    )
+    if engines is None:
+        engines = _start_engines(cfg, plan, pgs["engines"], path, stop_at_exit)
+    for g in groups.values():
+        g.wait_setup()
+    sync = EngineWeightSync(
+        groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
+    )
+    stop_at_exit(lambda: _quietly(sync.close))
+    return Components(
+        tokenizer=tokenizer,
+        actor=groups["actor"],
+        critic=groups.get("critic"),
+        ref=groups.get("ref"),
+        reward=groups.get("reward"),
+        engines=engines,
+        sync=sync,
+    )

@@ -1,0 +1,78 @@
+"""Greedy evaluation of the policy on the evaluation prompts, and the built-in demo's warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.batches import Sample, sft_batch
+from rlhf_cli.data.prompts import PromptSet, encode_prompt
+from rlhf_cli.demo import task
+from rlhf_cli.ppo.updates import micro_batches
+from rlhf_cli.runtime.protocols import ScoringGroup
+from rlhf_rollout import AgentExecutorBase, SamplingParams
+
+__all__ = ["evaluate", "warmup"]
+
+
+def evaluate(
+    cfg: PPOConfig,
+    make_executor: Callable[[SamplingParams], AgentExecutorBase],
+    prompts: PromptSet,
+    reward_model: ScoringGroup | None,
+) -> dict[str, float]:
+    """Greedy answers to every evaluation prompt: mean reward and pass rate (score >= threshold)."""
+    params = SamplingParams(temperature=0.0, n=1, max_new_tokens=cfg.rollout.max_new_tokens)
+    trajs = make_executor(params).run(prompts.token_ids, labels=prompts.labels)
+    scores = [t.score for t in trajs]
+    if reward_model is not None:
+        scores = [
+            float(s)
+            for s in reward_model.forward(
+                [torch.tensor(t.token_ids) for t in trajs],
+                micro_batch_size=cfg.train.micro_batch_size,
+                packing=False,
+            )
+        ]
+    return {
+        "eval/reward_mean": sum(scores) / len(scores),
+        "eval/pass_rate": sum(s >= cfg.eval.pass_threshold for s in scores) / len(scores),
+    }
+
+
+def warmup(cfg: PPOConfig, actor: Any, tokenizer: Any) -> None:
+    """Built-in demo: a few supervised steps on the answer format before reinforcement learning."""
+    pairs = task.warmup_records(seed=cfg.train.seed)
+    eos = tokenizer.eos_token_id
+    samples = []
+    for prompt, response in pairs:
+        p = encode_prompt(prompt, tokenizer, apply_chat_template=cfg.data.apply_chat_template)
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+        ids = torch.tensor(p + r)
+        mask = torch.tensor([False] * len(p) + [True] * len(r))
+        samples.append(
+            Sample(
+                token_ids=ids,
+                action_mask=mask,
+                rollout_logp=torch.zeros(len(ids)),
+                score=0.0,
+                reward=0.0,
+                truncated=False,
+                prompt_index=0,
+                weight_version=0,
+            )
+        )
+    per_step = cfg.samples_per_step
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    for _ in range(cfg.train.warmup_sft_steps):
+        idx = torch.randint(len(samples), (per_step,), generator=g).tolist()
+        batches = micro_batches(
+            [samples[i] for i in idx],
+            actor,
+            micro_batch_size=cfg.train.micro_batch_size,
+            dynamic=False,
+            build=lambda part: sft_batch(part, packing=cfg.train.packing),
+        )
+        actor.train_sft(batches)

@@ -1,0 +1,52 @@
+"""The prompts ``rlhf ppo`` trains and evaluates on: ``--data.path`` / ``--eval.path``, or the built-in task."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.prompts import PromptSet, load_records
+from rlhf_cli.demo import task
+
+__all__ = ["load_prompts"]
+
+
+def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+    """Training prompts and evaluation prompts (None when there are none to evaluate on)."""
+    limit = cfg.vllm.max_model_len
+    if cfg.data.path is None:
+        train = task.records(seed=cfg.train.seed)
+        evals = task.records(seed=cfg.train.seed + 1) if cfg.eval.path is None else None
+        source = f"built-in task {task.TASK_NAME}"
+    else:
+        train = load_records(
+            cfg.data.path,
+            input_key=cfg.data.input_key,
+            label_key=cfg.data.label_key,
+            max_samples=cfg.data.max_samples,
+        )
+        evals, source = None, str(cfg.data.path)
+    if cfg.eval.path is not None:
+        evals = load_records(
+            cfg.eval.path,
+            input_key=cfg.data.input_key,
+            label_key=cfg.data.label_key,
+            max_samples=cfg.eval.max_samples,
+            flag="--eval.path",
+        )
+    chat = cfg.data.apply_chat_template
+    train_set = PromptSet.from_records(
+        train, tokenizer, apply_chat_template=chat, seed=cfg.train.seed, max_prompt_len=limit, source=source
+    )
+    eval_set = None
+    if evals:
+        evals = evals[: cfg.eval.max_samples] if cfg.eval.max_samples else evals
+        eval_set = PromptSet.from_records(
+            evals,
+            tokenizer,
+            apply_chat_template=chat,
+            seed=cfg.train.seed,
+            max_prompt_len=limit,
+            source="evaluation prompts",
+        )
+    return train_set, eval_set

@@ -1,0 +1,121 @@
+"""``rlhf ppo``: set-up (data, Ray, learner groups, engines, weight sync) -> train (rollout -> rewards ->
+experience -> updates -> weight sync -> log -> checkpoint, each step) -> clean-up (export, summary)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.prompts import PromptCursor
+from rlhf_cli.ppo.components import Components, start_components
+from rlhf_cli.ppo.evaluation import evaluate, warmup
+from rlhf_cli.ppo.experience import make_experience, make_kl_controller
+from rlhf_cli.ppo.prompts import load_prompts
+from rlhf_cli.ppo.rewards import RewardStage
+from rlhf_cli.ppo.rollout import RolloutStage
+from rlhf_cli.ppo.sources import executor_factory
+from rlhf_cli.ppo.updates import update
+from rlhf_cli.runtime.checkpoint import RESUMABLE_CHANGES, RunState
+from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.placement import Plan, make_plan
+from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_rollout import EngineClient
+from transformers import AutoTokenizer
+
+__all__ = ["PPOResult", "plan", "run"]
+
+RESUMABLE = (*RESUMABLE_CHANGES, "eval.path")
+"""What a resumed ``rlhf ppo`` may change (the evaluation prompts too: they are not part of training)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOResult:
+    run_dir: Path
+    final_model: Path
+    history: list[dict]
+    summary: str
+
+
+def plan(cfg: PPOConfig) -> Plan:
+    """The placement plan (``--dry-run``)."""
+    return dry_run_plan(cfg, cfg.actor.pretrain, functools.partial(_plan_for, cfg))
+
+
+def _plan_for(cfg: PPOConfig, resources: ClusterResources, num_params: int) -> Plan:
+    return make_plan(cfg, resources, num_params=num_params)
+
+
+def _start(
+    cfg: PPOConfig, r: Run, tokenizer: Any, engines: EngineClient | None
+) -> tuple[Components, RunState]:
+    """The groups, engines and weight sync; the checkpoint's state (or the demo's warm-up); the engines
+    given the policy's weights (a resumed run re-sends the version it had)."""
+    skip = ("engines",) if engines else ()
+    pgs = placement_groups(r.plan, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit, skip=skip)
+    c = start_components(
+        cfg, r.plan, pgs, r.model_dir, tokenizer, stop_at_exit=r.stop_at_exit, engines=engines
+    )
+    state = r.resume(c.learner_groups(), RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef))
+    if r.resume_from is None and cfg.warmup_runs:
+        warmup(cfg, c.actor, tokenizer)
+    c.sync.push(version=state.weight_version or 1)
+    return c, state
+
+
+def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
+    """Train. ``engines``: running rollout engines to use instead of starting ``--vllm.num_engines``
+    new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
+    # ---- set-up -------------------------------------------------------------------------------
+    plan_for = functools.partial(_plan_for, cfg)
+    setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=RESUMABLE)
+    tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
+    train_set, eval_set = load_prompts(cfg, tokenizer)
+    executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
+    with setup.start() as r:
+        r.stop_at_exit(executors.close)  # an OpenAI-API agent's server; nothing for the others
+        c, state = _start(cfg, r, tokenizer, engines)
+        train_set.cursor = state.cursor
+        make_executor = functools.partial(executors, c.engines)
+        rewards = RewardStage(cfg, reward_model=c.reward)
+        rollout = RolloutStage(cfg, make_executor=make_executor, prompts=train_set, rewards=rewards)
+        kl_ctl = make_kl_controller(cfg.algo.kl, value=state.kl_coef)
+        tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state)
+        schedule = EvalSchedule(every=cfg.eval.every if eval_set else 0, last_step=cfg.train.num_steps)
+
+        def evaluated(due: bool) -> dict[str, float]:
+            return evaluate(cfg, make_executor, eval_set, c.reward) if due else {}
+
+        # ---- train: one call per stage ------------------------------------------------------------
+        for step in range(state.step + 1, cfg.train.num_steps + 1):
+            t0 = time.perf_counter()
+            before = evaluated(schedule.before(step))
+            batch = rollout.produce(step, weight_version=c.sync.version)  # engines -> rewards -> filter
+            exp = make_experience(
+                cfg, batch.samples, actor=c.actor, ref=c.ref, critic=c.critic, kl_coef=kl_ctl.value
+            )
+            upd = update(cfg, exp.samples, actor=c.actor, critic=c.critic, kl_coef=kl_ctl.value)
+            synced = c.sync.push(version=c.sync.version + 1)  # actor -> engines
+            if cfg.algo.kl.enabled:
+                kl_ctl.update(exp.kl_mean or 0.0, len(exp.samples))
+            timing = {"time/learner": upd.seconds + exp.forward_s, "time/step": time.perf_counter() - t0}
+            after = evaluated(schedule.after(step))
+            state = RunState(
+                step=step,
+                weight_version=c.sync.version,
+                cursor=train_set.cursor,
+                kl_coef=kl_ctl.value,
+                wandb_run_id=tracker.wandb_run_id,
+            )
+            metrics = before | batch.metrics() | exp.metrics() | upd.metrics() | synced.metrics() | timing
+            tracker.log(step, metrics | after)
+            r.checkpoint(state, c.learner_groups())
+
+        # ---- clean-up -------------------------------------------------------------------------------
+        final = r.run_dir / "final_model"
+        c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir))
+        summary = tracker.close()
+        return PPOResult(run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary)

@@ -1,0 +1,124 @@
+"""The rollout stage of a PPO step: prompts -> the agent executor on the engines -> rewards -> dynamic
+filtering with refill (DAPO) -> samples."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from rlhf_algos import dynamic_filter
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.batches import Sample
+from rlhf_cli.data.prompts import PromptSet
+from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
+from rlhf_rollout import AgentExecutorBase, SamplingParams, Trajectory
+
+__all__ = ["RolloutBatch", "RolloutStage"]
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """What the rollout stage hands the training stages."""
+
+    step: int
+    samples: list[Sample]
+    weight_version: int
+    generation_s: float
+    reward_s: float
+    filter_rounds: int | None = None
+    """Generation rounds dynamic filtering took (None: filtering is off)."""
+    refilled: int = 0
+    """Groups of dropped samples used to fill the batch after the last round."""
+    extra_logs: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        s = self.samples
+        out = {
+            "rollout/score_mean": float(torch.tensor([x.score for x in s]).mean()),
+            "rollout/reward_mean": float(torch.tensor([x.reward for x in s]).mean()),
+            "rollout/response_length": float(torch.tensor([float(x.response_length) for x in s]).mean()),
+            "rollout/truncated_frac": float(torch.tensor([float(x.truncated) for x in s]).mean()),
+            "rollout/weight_version": float(self.weight_version),
+            "time/generation": self.generation_s,
+            "time/reward": self.reward_s,
+        }
+        if self.filter_rounds is not None:
+            out |= {
+                "filter/rounds": float(self.filter_rounds),
+                "filter/refilled_with_dropped_groups": float(self.refilled),
+            }
+        return out | self.extra_logs
+
+
+class RolloutStage:
+    """Runs the executor on the engines, then the rewards stage, then dynamic filtering with refill."""
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        *,
+        make_executor: Callable[[SamplingParams], AgentExecutorBase],
+        prompts: PromptSet,
+        rewards: RewardStage,
+    ) -> None:
+        self.cfg, self.make_executor, self.prompts, self.rewards = cfg, make_executor, prompts, rewards
+
+    def params(self, step: int, round_: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            n=r.n_samples_per_prompt,
+            seed=self.cfg.train.seed + 100_003 * step + 7_919 * round_,
+        )
+
+    def produce(self, step: int, *, weight_version: int) -> RolloutBatch:
+        n, want = self.cfg.rollout.n_samples_per_prompt, self.cfg.rollout.batch_size
+        df = self.cfg.algo.dynamic_filtering
+        kept: list[list[Trajectory]] = []
+        dropped: list[list[Trajectory]] = []
+        t_gen = t_reward = 0.0
+        rounds = 0
+        for rounds in range(1, (df.max_rounds if df.enable else 1) + 1):
+            prompts, labels = self.prompts.next_batch(want - len(kept))
+            t0 = time.perf_counter()
+            trajs = self.make_executor(self.params(step, rounds)).run(prompts, labels=labels)
+            t1 = time.perf_counter()
+            self.rewards.score(trajs)
+            t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
+            groups = [trajs[i * n : (i + 1) * n] for i in range(len(prompts))]
+            keep = [True] * len(groups)
+            if df.enable:
+                scores = torch.tensor([[t.score for t in g] for g in groups])
+                keep = dynamic_filter(scores, low=df.low, high=df.high).tolist()
+            kept += [g for g, k in zip(groups, keep, strict=True) if k]
+            dropped += [g for g, k in zip(groups, keep, strict=True) if not k]
+            if len(kept) >= want:
+                break
+        filled = max(0, want - len(kept))
+        trajs = [t for g in (kept + dropped[:filled])[:want] for t in g]
+        return RolloutBatch(
+            step=step,
+            samples=[self._sample(t, i // n, weight_version) for i, t in enumerate(trajs)],
+            weight_version=weight_version,
+            generation_s=t_gen,
+            reward_s=t_reward,
+            filter_rounds=rounds if df.enable else None,
+            refilled=filled,
+            extra_logs=extra_log_means(trajs),
+        )
+
+    def _sample(self, t: Trajectory, group: int, version: int) -> Sample:
+        return Sample(
+            token_ids=torch.tensor(t.token_ids, dtype=torch.long),
+            action_mask=torch.tensor(t.action_mask, dtype=torch.bool),
+            rollout_logp=torch.tensor(t.logprobs, dtype=torch.float32),
+            score=float(t.score),
+            reward=self.rewards.reward(t),
+            truncated=bool(t.truncated),
+            prompt_index=group,
+            weight_version=version,
+        )

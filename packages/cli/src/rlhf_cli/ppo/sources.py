@@ -1,0 +1,266 @@
+"""Where rewards and rollouts come from: the built-in task, a reward_func file, remote endpoints, a
+reward model, or an agent file (single-turn reward_func, multi-turn make_env, or an OpenAI-API agent
+run_agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlhf_cli.config import PPOConfig
+from rlhf_cli.config.models import REWARD_TOKEN_ENV
+from rlhf_cli.demo import task
+from rlhf_rollout import (
+    AgentExecutorBase,
+    MultiTurnExecutor,
+    OpenAIAgentExecutor,
+    OpenAIServer,
+    RemoteReward,
+    RewardFunction,
+    SamplingParams,
+    SingleTurnExecutor,
+    TokenGenerator,
+    Trajectory,
+)
+from rlhf_rollout.executors.base import agenerate, check_prompt_lengths, engine_max_model_len
+from rlhf_rollout.rewards import import_python_file
+from rlhf_rollout.types import Generation
+
+__all__ = ["AGENT_FUNC", "ExecutorFactory", "OpenAIAgentFactory", "executor_factory", "load_agent_file"]
+
+AGENT_FUNC = "run_agent"
+"""``async def run_agent(*, base_url, prompt, label) -> float`` in an agent file: an OpenAI-API agent."""
+
+_ENTRY_POINTS = ("make_env", AGENT_FUNC, "reward_func")
+
+
+def load_agent_file(path: Path) -> Any:
+    """Import an agent file; it must define ``make_env()`` (multi-turn), ``run_agent`` (an async
+    OpenAI-API agent) or ``reward_func`` (single-turn). The file is executed: only pass files you trust."""
+    try:
+        module = import_python_file(path, what="agent file")
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        raise ValueError(f"--train.agent_func_path: {err}") from None
+    found = [name for name in _ENTRY_POINTS if callable(getattr(module, name, None))]
+    if not found:
+        raise ValueError(
+            f"--train.agent_func_path: {str(path)!r} defines none of make_env() (multi-turn), "
+            f"{AGENT_FUNC} (OpenAI-API agent) or reward_func (single-turn)"
+        )
+    if AGENT_FUNC in found and len(found) > 1:
+        raise ValueError(f"--train.agent_func_path: {str(path)!r} defines {' and '.join(found)}: define one")
+    if AGENT_FUNC in found and not inspect.iscoroutinefunction(getattr(module, AGENT_FUNC)):
+        raise ValueError(
+            f"--train.agent_func_path: {AGENT_FUNC} in {str(path)!r} must be "
+            f"'async def {AGENT_FUNC}(*, base_url, prompt, label) -> float'"
+        )
+    return module
+
+
+def _reward_source(cfg: PPOConfig) -> Any:
+    if cfg.builtin_task:
+        return RewardFunction(task.reward_func, name=f"built-in {task.TASK_NAME} reward")
+    if cfg.reward.func is not None:
+        try:
+            return RewardFunction.from_file(cfg.reward.func)
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            raise ValueError(f"--reward.func: {err}") from None
+    if cfg.reward.remote_url:
+        try:
+            token = os.environ.get(REWARD_TOKEN_ENV)
+            headers = {"Authorization": f"Bearer {token}"} if token else None
+            return RemoteReward(cfg.reward.remote_url, timeout_s=cfg.reward.timeout_s, headers=headers)
+        except ValueError as err:
+            raise ValueError(f"--reward.remote_url: {err}") from None
+    return None  # a reward model group scores the samples, or the environment rewards them
+
+
+class ExecutorFactory(Protocol):
+    """``(engine, params) -> executor``; ``close()`` stops what the factory started (call it once the
+    run ends, however it ends)."""
+
+    def __call__(self, engine: Any, params: SamplingParams) -> AgentExecutorBase: ...
+
+    def close(self) -> None: ...
+
+
+class _PlainFactory:
+    """A factory that starts nothing: ``close()`` does nothing."""
+
+    def __init__(self, make: Callable[[Any, SamplingParams], AgentExecutorBase]) -> None:
+        self._make = make
+
+    def __call__(self, engine: Any, params: SamplingParams) -> AgentExecutorBase:
+        return self._make(engine, params)
+
+    def close(self) -> None:
+        return None
+
+
+def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
+    """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
+    before anything starts. Register the result's ``close`` to run when the run ends."""
+    path = cfg.train.agent_func_path
+    agent = load_agent_file(path) if path is not None else None
+    if agent is not None and callable(getattr(agent, AGENT_FUNC, None)):
+        return OpenAIAgentFactory(
+            getattr(agent, AGENT_FUNC),
+            path=path,
+            tokenizer=tokenizer,
+            timeout_s=cfg.train.agent_timeout_s,
+            default_max_tokens=cfg.rollout.max_new_tokens,
+        )
+    if agent is not None and callable(getattr(agent, "make_env", None)):
+        limit = cfg.vllm.max_model_len
+
+        def multi(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
+            return MultiTurnExecutor(
+                engine=engine,
+                params=params,
+                tokenizer=tokenizer,
+                env_factory=agent.make_env,
+                max_turns=cfg.train.max_turns,
+                max_length=limit,
+            )
+
+        return _PlainFactory(multi)
+    reward = (
+        RewardFunction(agent.reward_func, name=f"reward_func in {path}") if agent else _reward_source(cfg)
+    )
+
+    def single(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
+        return SingleTurnExecutor(engine=engine, params=params, tokenizer=tokenizer, reward=reward)
+
+    return _PlainFactory(single)
+
+
+# --- OpenAI-API agents ---------------------------------------------------------------------------------
+
+
+class OpenAIAgentFactory:
+    """Executors that run an agent file's ``run_agent`` against one OpenAI-compatible server on
+    127.0.0.1 (a free port), started at the first call and stopped by :meth:`close`. One executor runs
+    at a time: each points the server at its engine and sampling parameters when it runs."""
+
+    def __init__(
+        self,
+        agent: Callable[..., Any],
+        *,
+        path: Path,
+        tokenizer: Any,
+        timeout_s: float,
+        default_max_tokens: int,
+    ) -> None:
+        self.agent = _with_timeout(agent, timeout_s)
+        self.path = path
+        self.tokenizer = tokenizer
+        self.default_max_tokens = default_max_tokens
+        self._server: OpenAIServer | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, engine: Any, params: SamplingParams) -> AgentExecutorBase:
+        return _OpenAIAgentRollout(
+            engine=engine, params=params, server=self.server(), agent=self.agent, path=self.path
+        )
+
+    def server(self) -> OpenAIServer:
+        """The running server (started on first use)."""
+        with self._lock:
+            if self._server is None:
+                self._server = OpenAIServer(
+                    engine=None, tokenizer=self.tokenizer, default_max_tokens=self.default_max_tokens
+                ).start()
+            return self._server
+
+    def close(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
+
+
+def _with_timeout(agent: Callable[..., Any], timeout_s: float) -> Callable[..., Any]:
+    """``agent`` bounded to ``timeout_s`` seconds per episode."""
+
+    async def timed(**kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(agent(**kwargs), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the episode took over {timeout_s} s (--train.agent_timeout_s)") from None
+
+    return timed
+
+
+class _RunSampling:
+    """The engine as the agent's server sees it: every call samples at the run's temperature, top_p and
+    top_k, with at most the run's max_new_tokens (and no more than the context leaves), whatever the
+    request asks, so the recorded log-probs are those the learner compares with."""
+
+    def __init__(self, engine: Any, params: SamplingParams, *, limit: int) -> None:
+        self.engine, self.params, self.limit = engine, params, limit
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limit
+
+    async def agenerate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Generation]]:
+        check_prompt_lengths(prompts, self.limit)
+        room = self.limit - max(len(p) for p in prompts)
+        run = self.params
+        pinned = replace(
+            params,
+            temperature=run.temperature,
+            top_p=run.top_p,
+            top_k=run.top_k,
+            max_new_tokens=max(1, min(params.max_new_tokens, run.max_new_tokens, room)),
+        )
+        return await agenerate(self.engine, prompts, pinned)
+
+
+class _OpenAIAgentRollout(AgentExecutorBase):
+    """``params.n`` episodes of the agent per prompt, each one trajectory: the token sequence its model
+    calls built (the last one, when a call did not extend the previous tokens; ``extra/agent_segments``
+    counts the sequences an episode formed)."""
+
+    def __init__(
+        self, *, engine: Any, params: SamplingParams, server: OpenAIServer, agent: Any, path: Path
+    ) -> None:
+        super().__init__(engine=engine, params=params)
+        self.server, self.agent, self.path = server, agent, path
+
+    async def arun(
+        self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
+    ) -> list[Trajectory]:
+        limit = await asyncio.to_thread(engine_max_model_len, self.engine)
+        self.server.engine = _RunSampling(self.engine, self.params, limit=limit)
+        decode = self.server.tokenizer.decode
+        texts = [decode(list(p), skip_special_tokens=True) for p in prompts]
+        runner = OpenAIAgentExecutor(server=self.server, agent=self.agent, samples_per_prompt=self.params.n)
+        try:
+            trajs = await runner.arun(texts, labels=labels)
+        except (RuntimeError, ValueError) as err:
+            raise RuntimeError(f"--train.agent_func_path {str(self.path)!r}: {err}") from err
+        return _one_per_episode(trajs)
+
+
+def _one_per_episode(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """The last trajectory of each (prompt, sample), in order, with the episode's segment count logged."""
+    last: dict[tuple[int, int], Trajectory] = {}
+    segments: dict[tuple[int, int], int] = {}
+    for t in trajs:
+        key = (t.prompt_index, t.sample_index)
+        last[key] = t
+        segments[key] = segments.get(key, 0) + 1
+    out = []
+    for key, t in last.items():
+        t.extra_logs["agent_segments"] = float(segments[key])
+        out.append(t)
+    return out

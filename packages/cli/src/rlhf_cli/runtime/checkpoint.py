@@ -1,0 +1,124 @@
+"""Run-level checkpoints: every learner group's DeepSpeed state plus the run's own state, written under
+a temporary name and renamed when complete, so a crash never leaves a checkpoint that looks valid.
+
+Layout: ``<run_dir>/checkpoints/step_000004/{actor,critic}/`` + ``run_state.json``, and
+``<run_dir>/checkpoints/latest`` naming the newest complete one. On several nodes ``run_dir`` must be
+on a file system every node sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rlhf_cli.config.loading import flat_items
+from rlhf_cli.data.prompts import PromptCursor
+from rlhf_cli.runtime.group import LearnerGroup
+
+__all__ = ["RunState", "check_resumable", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+STATE_FILE = "run_state.json"
+
+
+@dataclass(kw_only=True)
+class RunState:
+    """What the driver needs to continue exactly where it stopped."""
+
+    step: int = 0
+    """Last completed step."""
+    weight_version: int = 0
+    """Version the engines hold."""
+    cursor: PromptCursor
+    kl_coef: float = 0.0
+    wandb_run_id: str | None = None
+    """The W&B run to continue on resume (None: no W&B)."""
+
+
+RESUMABLE_CHANGES = (
+    "train.num_steps",
+    "train.max_steps",
+    "train.num_epochs",
+    "ckpt.",
+    "logger.",
+    "ray.",
+    "eval.every",
+    "eval.max_samples",
+    "eval.pass_threshold",
+    "weightsync.timeout_s",
+)
+"""Settings a resumed run may change; every other one must equal the checkpoint's. (``rlhf ppo`` may
+also change ``eval.path``; for the offline commands it decides the held-out split.)"""
+
+
+def check_compatible(
+    saved: dict, current: dict, *, where: Path, resumable: tuple[str, ...] = RESUMABLE_CHANGES
+) -> None:
+    """Raise naming the first setting that differs from the checkpoint's (except ``resumable`` ones)."""
+    a, b = dict(flat_items(saved)), dict(flat_items(current))
+    for key in sorted(set(a) | set(b)):
+        if key.startswith(resumable):
+            continue
+        if a.get(key) != b.get(key):
+            raise ValueError(
+                f"--ckpt.load_enable: {where} was written with {key}={a.get(key)!r}, this run has "
+                f"--{key} {b.get(key)!r}; resume with the same settings (only steps, checkpointing, logging, "
+                "evaluation and Ray options may change)"
+            )
+
+
+def save_checkpoint(
+    root: Path, state: RunState, groups: dict[str, LearnerGroup], *, max_keep: int, config: dict
+) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{state.step:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for role, group in groups.items():
+        group.save(directory=str(tmp / role), tag="state")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / "latest")
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    for old in complete[:-max_keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint (``latest``'s, else the newest complete ``step_*``), or None."""
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / STATE_FILE).is_file():
+            return path
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    return complete[-1] if complete else None
+
+
+def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
+    """Before start-up: the checkpoint at ``path`` was written by a run with the same settings (except
+    ``resumable`` ones)."""
+    saved = path / "config.json"
+    if not saved.is_file():
+        raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by an rlhf command?)")
+    check_compatible(json.loads(saved.read_text()), config, where=path, resumable=resumable)
+
+
+def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:
+    raw = json.loads((path / STATE_FILE).read_text())
+    for role, group in groups.items():
+        if not (path / role).is_dir():
+            raise ValueError(
+                f"checkpoint {path} has no state for the {role} group (was it saved with another setup?)"
+            )
+        group.load(directory=str(path / role), tag="state")
+    raw["cursor"] = PromptCursor(**raw["cursor"])
+    return RunState(**raw)

@@ -1,0 +1,134 @@
+"""Ray for one run: start a local cluster on loopback or join ``--ray.address``, what it offers, and the
+placement groups of a plan (each one's removal registered with the run the moment it is created)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlhf_cli.config import OfflineConfig, PPOConfig
+
+if TYPE_CHECKING:
+    from rlhf_cli.runtime.placement import Plan
+
+__all__ = ["ClusterResources", "PlacementGroups", "local_resources", "placement_groups", "start_ray"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterResources:
+    cpus: float
+    gpus: int
+    nodes: int
+    node_ips: tuple[str, ...] = ()
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB (this machine's first GPU; on a Ray cluster the driver's node's); None:
+    unknown or no GPU, and then plans are not checked against device memory."""
+
+
+def _gpu_memory_gib() -> float | None:
+    """Total memory of this process's first CUDA device in GiB, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def local_resources(cfg: PPOConfig | OfflineConfig) -> ClusterResources:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ClusterResources(
+        cpus=float(cfg.ray.num_cpus or os.cpu_count() or 1),
+        gpus=gpus,
+        nodes=1,
+        node_ips=("127.0.0.1",),
+        gpu_memory_gib=_gpu_memory_gib() if gpus else None,
+    )
+
+
+def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
+    """Join ``--ray.address`` / ``RAY_ADDRESS``, or start a local cluster on 127.0.0.1 (an already
+    initialised Ray in this process is used as it is). Returns the resources and whether this call
+    started Ray (so the recipe knows to stop it). For a local cluster, sets
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in ``os.environ`` unless already set (Ray reads it there).
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` must be set before Ray is first imported: the ``rlhf`` command
+    does it (``rlhf_cli.main``); a Python driver under ``uv run`` sets it itself."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        else:
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            ray.init(
+                num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",
+            )
+        started = True
+    total = ray.cluster_resources()
+    ips = tuple(sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}))
+    gpus = int(total.get("GPU", 0))
+    return ClusterResources(
+        cpus=float(total.get("CPU", 0)),
+        gpus=gpus,
+        nodes=len(ips),
+        node_ips=ips,
+        gpu_memory_gib=_gpu_memory_gib() if gpus else None,  # the driver's node's, as a sample
+    ), started
+
+
+class PlacementGroups:
+    """The run's placement groups by group name; each one removed once, early (``free``) or at the end."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._groups[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._groups
+
+    def add(self, name: str, pg: Any) -> None:
+        self._groups[name] = pg
+
+    def free(self, name: str) -> None:
+        """Remove ``name``'s placement group, if it is still there."""
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self._groups.pop(name, None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def free_all(self) -> None:
+        for name in list(self._groups):
+            self.free(name)
+
+
+def placement_groups(
+    plan: Plan,
+    *,
+    timeout_s: float,
+    stop_at_exit: Callable[[Callable[[], None]], None],
+    skip: tuple[str, ...] = (),
+) -> PlacementGroups:
+    """One placement group per group (except ``skip``), PACKed (a group's ranks close together); their
+    removal is registered with ``stop_at_exit`` before the first is created. Waits until all are placed."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    out = PlacementGroups()
+    stop_at_exit(out.free_all)
+    for g in plan.groups:
+        if g.name not in skip:
+            bundles = [dict(g.bundle) for _ in range(g.processes)]
+            out.add(g.name, placement_group(bundles, strategy="PACK", name=f"rlhf-{g.name}"))
+    ray.get([out[g.name].ready() for g in plan.groups if g.name in out], timeout=timeout_s)
+    return out

@@ -1,0 +1,220 @@
+"""Learner groups in the driver: the data-parallel ranks of one model (``LearnerWorker`` actors).
+
+``LearnerGroup`` splits work over the ranks, starts the same typed call on every rank at once
+(DeepSpeed's collectives need every rank) and waits with the group's timeout. The stages see it
+through the small Protocols of ``rlhf_cli.runtime.protocols``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from rlhf_cli.runtime.specs import DPOSettings, GroupSpec, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.worker import LearnerWorker
+from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, StepResult, ValueBatch
+
+if TYPE_CHECKING:
+    from rlhf_cli.runtime.cluster import PlacementGroups
+    from rlhf_cli.runtime.placement import Plan
+
+__all__ = ["LearnerGroup", "launch_groups", "worker_env"]
+
+T = TypeVar("T")
+Call = Callable[[Any, dict[str, Any]], Any]
+"""``(worker, kwargs) -> ObjectRef``: one typed remote call, e.g. ``lambda w, a: w.forward.remote(**a)``."""
+
+
+class LearnerGroup:
+    """The driver's handle on one group's ranks."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        *,
+        placement_group: Any,
+        num_cpus: float,
+        num_gpus: float,
+        timeout_s: float,
+        env_vars: dict[str, str] | None = None,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.spec, self.timeout_s = spec, timeout_s
+        cls = ray.remote(LearnerWorker)
+        self.workers = [
+            cls.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=r
+                ),
+                runtime_env={"env_vars": dict(env_vars or {})},
+            ).remote(spec=spec, rank=r)
+            for r in range(spec.world_size)
+        ]
+        self._pending: list[Any] = []
+
+    # Set-up is started on every rank at once; ``wait_setup`` collects it with the group's timeout.
+    def start_setup(self) -> None:
+        addr, port = self._get(self.workers[0].node_address.remote())
+        self._pending = [w.setup.remote(master_addr=addr, master_port=port) for w in self.workers]
+
+    def wait_setup(self) -> int:
+        counts = self._get(self._pending)
+        self._pending = []
+        return int(counts[0])
+
+    def _get(self, refs: Any) -> Any:
+        import ray
+
+        return ray.get(refs, timeout=self.timeout_s)
+
+    def _all(self, call: Callable[[Any], Any]) -> list[Any]:
+        """``call(worker)`` on every rank at once; every rank's result, in rank order."""
+        return self._get([call(w) for w in self.workers])
+
+    def shards(self, items: Sequence[T]) -> list[list[T]]:
+        """``items`` cut into ``world_size`` contiguous shards (as equal as possible)."""
+        n, k = len(items), len(self.workers)
+        bounds = [n * r // k for r in range(k + 1)]
+        return [list(items[bounds[r] : bounds[r + 1]]) for r in range(k)]
+
+    # --- inference -------------------------------------------------------------------------------
+    def forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> list[torch.Tensor]:
+        """Per-sequence results (see ``LearnerWorker.forward``), each rank scoring its shard."""
+        return self._sharded(
+            lambda w, a: w.forward.remote(**a, micro_batch_size=micro_batch_size, packing=packing),
+            sequences=sequences,
+        )
+
+    def sequence_logps(
+        self, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *, micro_batch_size: int
+    ) -> list[float]:
+        """Per sequence: the summed log-probs of its ``masks`` tokens (see ``LearnerWorker``)."""
+        return self._sharded(
+            lambda w, a: w.sequence_logps.remote(**a, micro_batch_size=micro_batch_size),
+            sequences=sequences,
+            masks=masks,
+        )
+
+    def _sharded(self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()) -> list[Any]:
+        """``call`` on contiguous shards of ``sequences`` (and ``masks``), one per rank, results in order.
+        Shards are padded (with copies of the first item, results dropped) to the same length, so every
+        rank makes the same number of forward calls: ZeRO-3 gathers parameters collectively in each."""
+        items = list(zip(sequences, masks, strict=True)) if masks else [(x, None) for x in sequences]
+        shards = self.shards(items)
+        longest = max(len(s) for s in shards)
+        refs = []
+        for w, shard in zip(self.workers, shards, strict=True):
+            padded = shard + [items[0]] * (longest - len(shard))  # pairs stay together
+            a: dict[str, Any] = {"sequences": [x for x, _ in padded]}
+            if masks:
+                a["masks"] = [m for _, m in padded]
+            refs.append(call(w, a))
+        parts = self._get(refs)
+        return [x for part, shard in zip(parts, shards, strict=True) for x in part[: len(shard)]]
+
+    # --- updates: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result ---------
+    def _step(self, per_rank: Sequence[list[Any]], call: Call) -> StepResult:
+        refs = [call(w, {"micro_batches": mbs}) for w, mbs in zip(self.workers, per_rank, strict=True)]
+        return self._get(refs)[0]
+
+    def train_policy(
+        self, per_rank: Sequence[list[PolicyBatch]], *, settings: PolicyLossSettings
+    ) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_policy.remote(**a, settings=settings))
+
+    def train_value(self, per_rank: Sequence[list[ValueBatch]], *, settings: ValueLossSettings) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_value.remote(**a, settings=settings))
+
+    def train_sft(self, per_rank: Sequence[list[SFTBatch]]) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_sft.remote(**a))
+
+    def train_reward_model(self, per_rank: Sequence[list[RewardBatch]]) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_reward_model.remote(**a))
+
+    def train_dpo(self, per_rank: Sequence[list[DPOBatch]], *, settings: DPOSettings) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_dpo.remote(**a, settings=settings))
+
+    def train_kto(self, per_rank: Sequence[list[KTOBatch]], *, settings: KTOSettings) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_kto.remote(**a, settings=settings))
+
+    def set_reward_normalization(self, *, mean: float, std: float) -> None:
+        self._all(lambda w: w.set_reward_normalization.remote(mean=mean, std=std))
+
+    # --- weight sync: refs, so the engines' side can be awaited together ------------------------------
+    def start_weight_sync(
+        self, *, transport: str, master_addr: str, master_port: int, world_size: int, timeout_s: float
+    ) -> list[Any]:
+        """Every rank joins (rank 0 hosts the sync group); refs to wait on once the engines joined."""
+        kw = dict(
+            master_addr=master_addr, master_port=master_port, world_size=world_size, timeout_s=timeout_s
+        )
+        return [w.open_weight_sync.remote(transport=transport, **kw) for w in self.workers]
+
+    def start_send_weights(self, *, version: int) -> list[Any]:
+        """Refs of every rank's ``send_weights``; rank 0's resolves to the sender's ``SyncStats``."""
+        return [w.send_weights.remote(version=version) for w in self.workers]
+
+    def close_weight_sync(self) -> None:
+        self._all(lambda w: w.close_weight_sync.remote())
+
+    # --- checkpoints and export --------------------------------------------------------------------
+    def save(self, *, directory: str, tag: str) -> None:
+        self._all(lambda w: w.save.remote(directory=directory, tag=tag))
+
+    def load(self, *, directory: str, tag: str) -> None:
+        self._all(lambda w: w.load.remote(directory=directory, tag=tag))
+
+    def export(self, *, directory: str, tokenizer_path: str | None) -> None:
+        self._all(lambda w: w.export.remote(directory=directory, tokenizer_path=tokenizer_path))
+
+    def export_adapter(self, *, directory: str) -> bool:
+        return bool(self._all(lambda w: w.export_adapter.remote(directory=directory))[0])
+
+    def shutdown(self) -> None:
+        """Kill the ranks (idempotent)."""
+        import ray
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+
+def launch_groups(
+    specs: dict[str, GroupSpec],
+    plan: Plan,
+    pgs: PlacementGroups,
+    *,
+    timeout_s: float,
+    stop_at_exit: Callable[[Callable[[], None]], None],
+) -> dict[str, LearnerGroup]:
+    """Create each group's ranks on its placement group and start their set-up, all groups in parallel
+    (``wait_setup`` collects them, so other work, e.g. starting engines, overlaps it). Each group's stop
+    is registered with ``stop_at_exit`` the moment it is created."""
+    groups: dict[str, LearnerGroup] = {}
+    for name, spec in specs.items():
+        bundle = plan.group(name).bundle
+        groups[name] = LearnerGroup(
+            spec,
+            placement_group=pgs[name],
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            timeout_s=timeout_s,
+            env_vars=worker_env(),
+        )
+        stop_at_exit(groups[name].shutdown)
+        groups[name].start_setup()
+    return groups
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for learner ranks: this driver's thread settings where it has them."""
+    keep = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
+    return {k: os.environ[k] for k in keep if k in os.environ}

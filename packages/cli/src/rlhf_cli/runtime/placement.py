@@ -1,0 +1,396 @@
+"""Ray: which group gets which bundles, and the device memory each process needs. Pure data from the
+configuration, the cluster's resources and each group's model (``model_sizes``): ``--dry-run`` prints
+it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory) fails before start-up."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
+from rlhf_cli.config.run import RayConfig
+from rlhf_cli.runtime.cluster import ClusterResources
+from rlhf_learner import StrategyOptions
+
+__all__ = ["GroupPlan", "ModelShape", "ModelSizes", "Plan", "activation_bytes", "count_params"]
+__all__ += ["make_offline_plan", "make_plan", "model_shape", "model_sizes"]
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """One model as the memory estimate needs it: parameters, hidden size h, layers L, vocabulary v, K width
+    per layer and token (num_key_value_heads x head_dim), and whether a scalar value head replaces the LM
+    head (critic, reward model)."""
+
+    params: int
+    hidden: int
+    layers: int
+    vocab: int
+    kv_dim: int
+    value_head: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """Each group's own model; an unset one is the actor's (offline: the trained model's)."""
+
+    actor: ModelShape
+    critic: ModelShape | None = None
+    ref: ModelShape | None = None
+    reward: ModelShape | None = None
+
+    def of(self, group: str) -> ModelShape:
+        """``group``'s model; the actor's for ``model`` and ``engines`` and the unset ones."""
+        return getattr(self, group, None) or self.actor
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    name: str
+    """actor, critic, ref, reward, model or engines."""
+    processes: int
+    bundle: dict[str, float]
+    """Resources of each bundle (one per process)."""
+    parts: dict[str, float]
+    """Memory per process in GiB: weights, grads+optimizer, activations (learners on GPU), KV (engines)."""
+    params: int = 0
+    """Parameters of the group's model."""
+    note: str = ""
+    flags: tuple[str, ...] = ()
+    """Flags that lower this group's memory (named when a GPU cannot hold it)."""
+
+    @property
+    def memory_gib(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    device: str
+    """cuda or cpu."""
+    groups: list[GroupPlan]
+    transport: str
+    resources: ClusterResources
+    num_params: int
+    """The actor's (offline: the trained model's) parameters."""
+    notes: list[str] = field(default_factory=list)
+
+    def group(self, name: str) -> GroupPlan | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+    def render(self) -> str:
+        lines = [
+            f"cluster: {self.resources.nodes} node(s), {self.resources.cpus:g} CPUs, {self.resources.gpus} GPUs "
+            f"-> {self.device} bundles; model: {self.num_params / 1e6:.2f}M parameters",
+            f"{'group':<8} {'processes':>9}  {'bundle each':<22} {'memory each':>11}  note",
+        ]
+        for g in self.groups:
+            bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
+            note = f"{g.note}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
+            lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
+        if (e := self.group("engines")) is not None:
+            sync = f"weight sync: actor rank 0 -> {e.processes} engine process(es) over {self.transport}"
+            lines.append(sync)
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _meta_params(config: Any, *, value_head: bool) -> int:
+    """Parameters of ``config``'s model built on the meta device (nothing allocated): the causal LM (a
+    tied head counted once), or with ``value_head`` the backbone (``AutoModel``) plus a 1-row scalar
+    head of ``hidden_size`` weights, as ``*ForSequenceClassification`` with one label has it."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = (AutoModel if value_head else AutoModelForCausalLM).from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    return n + (config.get_text_config().hidden_size if value_head else 0)
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters of a Hugging Face folder as a causal LM, from its config on the meta device."""
+    from transformers import AutoConfig
+
+    return _meta_params(AutoConfig.from_pretrained(str(model_dir)), value_head=False)
+
+
+def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
+    """A ``ModelShape`` from a text config (or a ``TinyModelSpec``: the same field names)."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_dim = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    dims = {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "vocab": text.vocab_size}
+    return ModelShape(params=params, kv_dim=kv_dim, value_head=value_head, **dims)
+
+
+def model_shape(
+    model_dir: Path | str | None, *, value_head: bool = False, flag: str = "--actor.pretrain"
+) -> ModelShape:
+    """(params, hidden, layers, vocab, KV width) of a Hugging Face folder, read with ``AutoConfig``;
+    ``value_head``: as a scalar-head model (``_meta_params``). ``None``: the built-in demo model, from
+    ``DEMO_MODEL`` and ``demo_num_params()`` (tied embeddings: a value head adds h). ``flag`` names the
+    folder in the error when it has no config.json."""
+    if model_dir is None:
+        from rlhf_cli.demo.task import DEMO_MODEL, demo_num_params
+        from rlhf_cli.demo.tiny_model import TinyModelSpec
+
+        spec = TinyModelSpec(**DEMO_MODEL)
+        return _shape(spec, demo_num_params() + (spec.hidden_size if value_head else 0), value_head)
+    from transformers import AutoConfig
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(f"{flag} {model_dir}: no config.json (not a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return _shape(config.get_text_config(), _meta_params(config, value_head=value_head), value_head)
+
+
+def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:
+    """Each group's model from its own folder flag, else the policy's: ``actor_dir`` when resolved (the
+    built demo), else ``--actor.pretrain`` / ``--model.pretrain`` (unset: the demo). The critic
+    (``--critic.pretrain``), the reward model (``--reward.pretrain``) and ``rlhf rm``'s model have value
+    heads; the reference is ``--ref.pretrain``."""
+    if not isinstance(cfg, PPOConfig):
+        policy = actor_dir if actor_dir is not None else cfg.model.pretrain
+        ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
+        return ModelSizes(
+            actor=model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain"),
+            ref=model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None,
+        )
+    policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
+    critic, ref, reward = None, None, None
+    if cfg.uses_critic:
+        flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
+        critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
+    if cfg.uses_reference and cfg.ref.pretrain:
+        ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
+    if cfg.reward.source == "model":
+        reward = model_shape(cfg.reward.pretrain, value_head=True, flag="--reward.pretrain")
+    return ModelSizes(actor=model_shape(policy), critic=critic, ref=ref, reward=reward)
+
+
+def activation_bytes(
+    shape: ModelShape, seq_len: int, rows: int, *, trains: bool, checkpointing: bool, bits16: bool
+) -> float:
+    """Peak activation memory (bytes) of one micro-batch of ``rows`` sequences of ``seq_len`` tokens.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), Sec. 4, without tensor / sequence parallelism, 16-bit activations: a transformer
+    layer stores ``s*b*h*(34 + 5*a*s/h)`` bytes; the attention-score term ``5as/h`` is dropped (sdpa /
+    flash attention never store the scores), leaving ``34*s*b*h`` per layer. Training keeps all L layers'
+    (``34*s*b*h*L``); with gradient checkpointing (full recomputation) only each layer's input,
+    ``2*s*b*h*L``, plus one layer's ``34*s*b*h`` while it is recomputed; a forward without gradients
+    (frozen groups) holds about one layer's ``34*s*b*h``. An LM head adds its fp32 logits ``4*s*b*v``
+    (the paper's output-layer term); a value head none. fp32 activations double the per-layer terms."""
+    sbh = seq_len * rows * shape.hidden * (1 if bits16 else 2)
+    if not trains:
+        body = 34 * sbh
+    elif checkpointing:
+        body = 2 * sbh * shape.layers + 34 * sbh
+    else:
+        body = 34 * sbh * shape.layers
+    return float(body + (0 if shape.value_head else 4 * seq_len * rows * shape.vocab))
+
+
+def _parts_note(parts: dict[str, float]) -> str:
+    return " + ".join(f"{k} {v:.2f}" for k, v in parts.items()) + " GiB"
+
+
+@dataclass(frozen=True)
+class _Learner:
+    """One learner group to plan: its name, ranks, whether it trains, and its gradient checkpointing."""
+
+    name: str
+    world: int
+    trains: bool
+    checkpointing: bool = False
+    gc_flag: str = ""
+    note: str = ""
+
+
+def _learner_group(
+    spec: _Learner, shape: ModelShape, ds: StrategyOptions, bundle: dict, load: tuple[int, int] | None
+) -> GroupPlan:
+    """A learner group's plan. Per process: weights (2 bytes in bf16, else 4) and, when it trains, fp32
+    gradients and Adam states (fp32 master + two moments: 12 bytes in bf16; the moments: 8 in fp32),
+    divided over the ranks as the ZeRO stage shards them (none on the device when offloaded); on GPU
+    (``load``: sequence length, rows) plus ``activation_bytes`` of one micro-batch."""
+    ds = ds if spec.trains else ds.for_inference()
+    bf16, n = ds.precision == "bf16", shape.params
+    shard = lambda b, on: b / spec.world if ds.zero_stage >= on else b  # noqa: E731
+    parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}
+    flags = ("--ds.zero_stage 3", "--train.micro_batch_size")
+    if spec.trains:
+        adam = 0.0 if ds.offload_optimizer else shard(n * (12 if bf16 else 8), 1)
+        parts["grads+optimizer"] = (shard(n * 4, 2) + adam) / _GIB
+        flags = ("--ds.zero_stage", "--ds.offload_optimizer", "--train.micro_batch_size")
+        flags += () if spec.checkpointing else (spec.gc_flag,)
+    if load is not None:
+        kw = {"trains": spec.trains, "checkpointing": spec.checkpointing, "bits16": bf16}
+        parts["activations"] = activation_bytes(shape, *load, **kw) / _GIB
+    note = spec.note or (f"ZeRO-{ds.zero_stage}, trains" if spec.trains else "frozen")
+    kw = {"bundle": bundle, "parts": parts, "params": n, "note": note, "flags": flags}
+    return GroupPlan(name=spec.name, processes=spec.world, **kw)
+
+
+def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: ClusterResources) -> GroupPlan:
+    """Engine processes: weights (16-bit with vLLM on GPU, else fp32, as the engines load them) split over
+    TP, and the KV cache: ``--vllm.kv_cache_gib`` on CPU; on GPU vLLM pre-allocates
+    ``--vllm.gpu_memory_utilization`` of the device, and the KV cache is what the weights leave (refused
+    when that cannot hold one ``--vllm.max_model_len`` sequence)."""
+    tp, util, max_len = cfg.vllm.tensor_parallel_size, cfg.vllm.gpu_memory_utilization, cfg.vllm.max_model_len
+    vllm_gpu, device = resources.gpus > 0 and cfg.rollout.backend == "vllm", resources.gpu_memory_gib
+    weights = shape.params * (2 if vllm_gpu else 4) / tp / _GIB
+    parts, extra = {"weights": weights}, ""
+    if resources.gpus == 0:
+        parts["KV"] = float(cfg.vllm.kv_cache_gib)
+    elif vllm_gpu and device is not None:
+        parts["KV"] = util * device - weights
+        per_token = 2 * shape.layers * shape.kv_dim * 2 / tp  # K and V, 16-bit, heads split over TP
+        if parts["KV"] * _GIB < per_token * max_len:
+            raise ConfigError(
+                f"engines: {weights:.2f} GiB of weights per process leave {max(parts['KV'], 0):.2f} GiB of KV "
+                f"cache in --vllm.gpu_memory_utilization {util:g} x {device:.2f} GiB, less than one "
+                f"--vllm.max_model_len {max_len} sequence; raise --vllm.gpu_memory_utilization or "
+                "--vllm.tensor_parallel_size"
+            )
+    else:  # the KV cache is not sized
+        extra = f", KV: the rest of {util:g} of the device" if vllm_gpu else ", KV: grows with the batch"
+    note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
+    flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
+    kw = {"bundle": dict(bundle), "parts": parts, "params": shape.params, "note": note, "flags": flags}
+    return GroupPlan(name="engines", processes=cfg.vllm.num_engines * tp, **kw)
+
+
+def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
+    """On GPU of known size, the processes sharing a GPU (``--ray.gpus_per_worker`` < 1) add up: packed in
+    the plan's order, floor(1 / gpus_per_worker) per GPU, as the placement groups are created in that
+    order and each packs its bundles. ConfigError for the first GPU whose processes do not fit."""
+    device = resources.gpu_memory_gib
+    if resources.gpus == 0 or device is None:
+        return
+    per_gpu = max(1, math.floor(1 / ray_cfg.gpus_per_worker + 1e-9))
+    procs = [g for g in groups for _ in range(g.processes)]
+    for share in (procs[i : i + per_gpu] for i in range(0, len(procs), per_gpu)):
+        need = sum(g.memory_gib for g in share)
+        if need <= device:
+            continue
+        first = {g.name: g for g in share}  # one GroupPlan per group, in the order they appear
+        who = " + ".join(
+            f"{sum(g is p for p in share)} x {n} ({_parts_note(g.parts)})" for n, g in first.items()
+        )
+        flags = list(dict.fromkeys(f for g in share for f in g.flags))
+        flags += ["--ray.gpus_per_worker"] if len(share) > 1 else []
+        raise ConfigError(
+            f"GPU memory: {who} on one GPU need {need:.2f} GiB, the device has {device:.2f} GiB; "
+            f"lower it with {', '.join(flags)}"
+        )
+
+
+def _bundle(resources: ClusterResources, ray_cfg: RayConfig) -> dict[str, float]:
+    return (
+        {"GPU": ray_cfg.gpus_per_worker, "CPU": 1.0}
+        if resources.gpus > 0
+        else {"CPU": ray_cfg.cpus_per_worker}
+    )
+
+
+def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig, what: str) -> None:
+    """Raise ConfigError naming the flags when the groups need more CPUs or GPUs than the cluster has,
+    or (``_check_memory``) more memory than a GPU has."""
+    need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
+    need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)
+    if resources.gpus > 0 and need_gpu > resources.gpus:
+        raise ConfigError(
+            f"{what} need {need_gpu:g} GPUs ({ray_cfg.gpus_per_worker:g} each, --ray.gpus_per_worker); "
+            f"the cluster has {resources.gpus}"
+        )
+    if need_cpu > resources.cpus + 1e-9:
+        raise ConfigError(
+            f"{what} need {need_cpu:g} CPUs ({ray_cfg.cpus_per_worker:g} each, --ray.cpus_per_worker); "
+            f"the cluster has {resources.cpus:g}"
+        )
+    _check_memory(groups, resources, ray_cfg)
+
+
+def _plan(groups: list[GroupPlan], resources: ClusterResources, transport: str, sizes: ModelSizes) -> Plan:
+    gpu, dev = resources.gpus > 0, resources.gpu_memory_gib
+    notes = [f"device memory: {dev:.2f} GiB per GPU (processes sharing a GPU add up)"] if gpu and dev else []
+    kw = {"transport": transport, "resources": resources, "num_params": sizes.actor.params, "notes": notes}
+    return Plan(device="cuda" if gpu else "cpu", groups=groups, **kw)
+
+
+def make_offline_plan(
+    cfg: OfflineConfig,
+    resources: ClusterResources,
+    *,
+    with_ref: bool,
+    sizes: ModelSizes | None = None,
+    num_params: int | None = None,
+) -> Plan:
+    """The trained group (``model``) and, for dpo / kto, the frozen reference (``ref``); ``sizes`` and
+    ``num_params`` as in ``make_plan``. On GPU a micro-batch is ``--train.micro_batch_size`` examples
+    (two sequences each for rm, dpo and kto) of ``--data.max_len`` tokens."""
+    del num_params
+    sizes = sizes if sizes is not None else model_sizes(cfg)
+    gc = cfg.model.options.gradient_checkpointing
+    specs = [_Learner("model", cfg.model.world_size, True, gc, "--model.options.gradient_checkpointing")]
+    if with_ref:
+        ref = cfg.ref  # type: ignore[attr-defined]
+        note = "frozen, stopped after precomputing" if ref.precompute else "frozen"
+        specs.append(_Learner("ref", ref.world_size, False, note=note))
+    rows = cfg.train.micro_batch_size * (2 if cfg.command in ("rm", "dpo", "kto") else 1)
+    load = (cfg.data.max_len, rows) if resources.gpus > 0 else None  # type: ignore[attr-defined]
+    bundle = _bundle(resources, cfg.ray)
+    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, bundle, load) for s in specs]
+    _check_fits(groups, resources, cfg.ray, "the learner groups")
+    return _plan(groups, resources, "none", sizes)
+
+
+def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
+    """actor, and critic / ref / reward when the run uses them."""
+    out = []
+    for name, group, used in (("actor", cfg.actor, True), ("critic", cfg.critic, cfg.uses_critic)):
+        gc, gc_flag = group.model.gradient_checkpointing, f"--{name}.model.gradient_checkpointing"
+        out += [_Learner(name, group.world_size, True, gc, gc_flag)] if used else []
+    if cfg.uses_reference:
+        out.append(_Learner("ref", cfg.ref.world_size, False))
+    if cfg.reward.source == "model":
+        out.append(_Learner("reward", cfg.reward.world_size, False, note="frozen reward model"))
+    return out
+
+
+def make_plan(
+    cfg: PPOConfig,
+    resources: ClusterResources,
+    *,
+    sizes: ModelSizes | None = None,
+    num_params: int | None = None,
+) -> Plan:
+    """Processes, bundles and memory per group; raises ConfigError naming the flags when it cannot fit.
+    ``sizes``: each group's model (``model_sizes(cfg, model_dir)``; unset: read from ``cfg``'s folders);
+    ``num_params`` (older callers' actor count) is unused. On GPU a learner micro-batch is
+    ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len`` tokens (prompt + response)."""
+    del num_params
+    sizes = sizes if sizes is not None else model_sizes(cfg)
+    gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
+    load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None
+    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, per, load) for s in _ppo_learners(cfg)]
+    groups.append(_engines_group(cfg, sizes.of("engines"), per, resources))
+    n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
+    engines = f"--vllm.num_engines {n} x --vllm.tensor_parallel_size {tp} engine process(es)"
+    _check_fits(groups, resources, cfg.ray, f"{engines} and the learner groups")
+    from rlhf_weightsync import select_transport
+
+    one_host = len(set(resources.node_ips)) <= 1
+    backend, share = cfg.rollout.backend, cfg.ray.gpus_per_worker
+    try:
+        transport = select_transport(
+            cfg.weightsync.transport, gpu=gpu, one_host=one_host, backend=backend, gpus_per_worker=share
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return _plan(groups, resources, transport, sizes)

@@ -1,0 +1,44 @@
+"""What the stages need of a learner group: small Protocols, so the stage functions run against the Ray
+``LearnerGroup`` in a run and against a plain in-process fake in unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+import torch
+from rlhf_cli.runtime.specs import GroupSpec, PolicyLossSettings, ValueLossSettings
+from rlhf_learner import PolicyBatch, StepResult, ValueBatch
+
+__all__ = ["PolicyGroup", "ScoringGroup", "ValueGroup"]
+
+T = TypeVar("T")
+
+
+class ScoringGroup(Protocol):
+    """A group that scores sequences: per-token log-probs (actor, reference), values (critic) or one
+    score per sequence (reward model)."""
+
+    spec: GroupSpec
+
+    def shards(self, items: Sequence[T]) -> list[list[T]]: ...
+
+    def forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> list[torch.Tensor]: ...
+
+
+class PolicyGroup(ScoringGroup, Protocol):
+    """The actor: scores, and takes policy updates."""
+
+    def train_policy(
+        self, per_rank: Sequence[list[PolicyBatch]], *, settings: PolicyLossSettings
+    ) -> StepResult: ...
+
+
+class ValueGroup(ScoringGroup, Protocol):
+    """The critic: values, and value updates."""
+
+    def train_value(
+        self, per_rank: Sequence[list[ValueBatch]], *, settings: ValueLossSettings
+    ) -> StepResult: ...

@@ -1,0 +1,184 @@
+"""The skeleton every training command shares (``rlhf ppo`` and the offline commands).
+
+``prepare_run`` resolves the model, checks a checkpoint to resume before anything starts, writes the
+run folder and checks that the plan fits; ``RunSetup.start`` then holds a Ray session whose plan is made
+against the cluster. The ``Run`` it yields starts the tracker, decides when to evaluate and checkpoint, and registers every
+started thing's stop with the session the moment it starts (``stop_at_exit``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.config import OfflineConfig, PPOConfig, dump_yaml
+from rlhf_cli.runtime.checkpoint import (
+    RESUMABLE_CHANGES,
+    RunState,
+    check_resumable,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rlhf_cli.runtime.cluster import ClusterResources, local_resources, start_ray
+from rlhf_cli.runtime.placement import Plan, count_params
+from rlhf_cli.runtime.session import RunSession, run_session
+from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker
+
+__all__ = ["EvalSchedule", "PlanFn", "Run", "RunSetup", "dry_run_plan", "prepare_run", "resolve_model"]
+
+PlanFn = Callable[[ClusterResources, int], Plan]
+"""``(resources, num_params) -> Plan``: a command's placement plan (raises ConfigError if it cannot fit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSchedule:
+    """Evaluate before step 1 and every ``every`` steps, and once more after the last step."""
+
+    every: int
+    last_step: int
+
+    def before(self, step: int) -> bool:
+        return self.every > 0 and (step == 1 or (step - 1) % self.every == 0)
+
+    def after(self, step: int) -> bool:
+        return self.every > 0 and step == self.last_step
+
+
+def resolve_model(pretrain: Path | str | None, run_dir: Path) -> Path:
+    """The starting model: ``pretrain`` (checked), or the built-in demo model (built once, offline)."""
+    if pretrain is not None:
+        from rlhf_learner.models import check_model_dir
+
+        check_model_dir(pretrain)
+        return Path(pretrain)
+    from rlhf_cli.demo.task import build_demo_model
+
+    return build_demo_model(run_dir / "base_model")
+
+
+def _num_params(pretrain: Path | str | None) -> int:
+    if pretrain is None:
+        from rlhf_cli.demo.task import demo_num_params
+
+        return demo_num_params()
+    from rlhf_learner.models import check_model_dir
+
+    check_model_dir(pretrain)
+    return count_params(Path(pretrain))
+
+
+def _joins_cluster(cfg: PPOConfig | OfflineConfig) -> bool:
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def dry_run_plan(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None, plan_for: PlanFn) -> Plan:
+    """``--dry-run``: the plan against the local machine, or the joined cluster's resources."""
+    resources = start_ray(cfg)[0] if _joins_cluster(cfg) else local_resources(cfg)
+    return plan_for(resources, _num_params(pretrain))
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One training run in progress: its folder, model, plan, checkpoint to resume and Ray session."""
+
+    cfg: PPOConfig | OfflineConfig
+    run_dir: Path
+    model_dir: Path
+    plan: Plan
+    session: RunSession
+    resume_from: Path | None
+    """The checkpoint to continue from (``--ckpt.load_enable`` found one), else None."""
+
+    @property
+    def config(self) -> dict:
+        return self.cfg.model_dump(mode="json")
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def stop_at_exit(self, stop: Callable[[], None]) -> None:
+        self.session.stop_at_exit(stop)
+
+    def resume(self, groups: dict[str, Any], fresh: RunState) -> RunState:
+        """The checkpoint's state loaded into ``groups``, or ``fresh`` when there is none."""
+        return load_checkpoint(self.resume_from, groups) if self.resume_from is not None else fresh
+
+    def start_tracker(self, *, total_steps: int, state: RunState, display: Display = PPO_DISPLAY) -> Tracker:
+        log = self.cfg.logger
+        tracker = Tracker(
+            self.run_dir,
+            tensorboard=log.tensorboard,
+            wandb_project=log.wandb_project,
+            wandb_id=state.wandb_run_id,
+            progress=log.progress,
+            total_steps=total_steps,
+            config=self.config,
+            resume_step=state.step,
+            display=display,
+        )
+        self.session.tracker = tracker
+        return tracker
+
+    def checkpoint(self, state: RunState, groups: dict[str, Any]) -> None:
+        """Save when ``--ckpt.save_steps`` says this step is due."""
+        every = self.cfg.ckpt.save_steps
+        if every and state.step % every == 0:
+            save_checkpoint(
+                self.ckpt_root, state, groups, max_keep=self.cfg.ckpt.max_keep, config=self.config
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSetup:
+    """What is known before anything starts: the run folder, the model, the checkpoint to resume."""
+
+    cfg: PPOConfig | OfflineConfig
+    run_dir: Path
+    model_dir: Path
+    resume_from: Path | None
+    plan_for: PlanFn
+
+    @contextlib.contextmanager
+    def start(self) -> Iterator[Run]:
+        """Hold the run's Ray session for the body; the plan is made against the cluster's resources."""
+        num_params = count_params(self.model_dir)
+        with run_session(self.cfg) as session:
+            plan = self.plan_for(session.resources, num_params)
+            yield Run(
+                cfg=self.cfg,
+                run_dir=self.run_dir,
+                model_dir=self.model_dir,
+                plan=plan,
+                session=session,
+                resume_from=self.resume_from,
+            )
+
+
+def prepare_run(
+    cfg: PPOConfig | OfflineConfig,
+    *,
+    pretrain: Path | str | None,
+    plan_for: PlanFn,
+    resumable: tuple[str, ...] = RESUMABLE_CHANGES,
+) -> RunSetup:
+    """Before anything starts: the checkpoint to resume (refused when written with other settings), the
+    run folder and its ``config.yaml``, the model, and a plan that fits the local machine."""
+    run_dir = Path(cfg.logger.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
+    if found is not None:
+        check_resumable(found, cfg.model_dump(mode="json"), resumable=resumable)
+    elif cfg.ckpt.load_enable:
+        print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    model_dir = resolve_model(pretrain, run_dir)
+    if not _joins_cluster(cfg):
+        plan_for(local_resources(cfg), count_params(model_dir))  # a plan that cannot fit fails first
+    return RunSetup(cfg=cfg, run_dir=run_dir, model_dir=model_dir, resume_from=found, plan_for=plan_for)

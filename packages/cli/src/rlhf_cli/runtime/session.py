@@ -1,0 +1,68 @@
+"""One run's hold on Ray and what it must stop however it ends (shared by every recipe)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from rlhf_cli.config import OfflineConfig, PPOConfig
+from rlhf_cli.runtime.cluster import ClusterResources, start_ray
+from rlhf_cli.runtime.tracking import Tracker
+
+__all__ = ["RunSession", "run_session"]
+
+
+@dataclass
+class RunSession:
+    resources: ClusterResources
+    """What the cluster offers (the placement plan is made against it)."""
+    tracker: Tracker | None = None
+    """Set once logging has started: stopped with ``failed=True`` if the run fails."""
+    _stops: list[Callable[[], None]] = field(default_factory=list)
+
+    def stop_at_exit(self, stop: Callable[[], None]) -> None:
+        """Call ``stop`` when the run ends, successfully or not (last registered, first called)."""
+        self._stops.append(stop)
+
+
+@contextlib.contextmanager
+def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
+    """Start or join Ray (``start_ray``) for the body. On the way out, however the body ends: a failed
+    run's tracker is stopped first (what was logged stays), then every registered stop runs (last
+    first; one that fails does not skip the others), then Ray is shut down if this run started it.
+    The body's own error is what propagates; a stop's error does when the body succeeded."""
+    resources, started_ray = start_ray(cfg)
+    session = RunSession(resources=resources)
+    body_failed = True
+    try:
+        yield session
+        body_failed = False
+    except BaseException:
+        if session.tracker is not None:
+            with contextlib.suppress(Exception):  # the stops and Ray are stopped regardless
+                session.tracker.stop(failed=True)
+        raise
+    finally:
+        stops = list(reversed(session._stops))
+        if started_ray:
+            import ray
+
+            stops.append(ray.shutdown)
+        errors = _run_all(stops)
+        if errors and not body_failed:
+            raise errors[0]
+        for err in errors:
+            print(f"while stopping the failed run: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def _run_all(calls: list[Callable[[], None]]) -> list[Exception]:
+    """Call each; the errors they raised, in order."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except Exception as err:
+            errors.append(err)
+    return errors

@@ -1,0 +1,97 @@
+"""What a learner group runs and the settings its update steps take: plain, picklable data that crosses
+the Ray boundary as itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
+
+__all__ = [
+    "DPOSettings",
+    "GroupSpec",
+    "KTOSettings",
+    "PolicyLossSettings",
+    "Role",
+    "ValueLossSettings",
+    "group_strategy",
+]
+
+Role = Literal["actor", "critic", "ref", "reward"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """What one learner group runs."""
+
+    role: Role
+    model_path: str
+    world_size: int
+    strategy: StrategyOptions
+    model: ModelOptions
+    lora: LoraOptions | None = None
+    temperature: float = 1.0
+    """Sampling temperature: the actor and reference score tokens under the sampler's distribution."""
+    trains: bool | None = None
+    """Whether the group is trained; unset: the actor and critic are, the reference and reward model not."""
+
+    @property
+    def trained(self) -> bool:
+        return self.trains if self.trains is not None else self.role in ("actor", "critic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossSettings:
+    """Everything the policy update needs besides the micro-batches."""
+
+    clip_eps_low: float
+    clip_eps_high: float | None
+    dual_clip: float | None
+    ratio_type: str
+    entropy_coef: float
+    loss_agg: str
+    horizon: int
+    kl_estimator: str
+    kl_loss_coef: float
+    """0: no KL loss term."""
+    is_correction: str
+    is_low: float
+    is_high: float
+    aux_loss_coef: float = 0.0
+    """Weight of a mixture-of-experts model's router auxiliary loss (0: off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueLossSettings:
+    clip_eps: float | None
+    """Value clipping around the old values (None: off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOSettings:
+    loss: str
+    """dpo, ipo or cdpo."""
+    beta: float
+    label_smoothing: float
+    nll_coef: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class KTOSettings:
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+
+
+def group_strategy(
+    ds: StrategyOptions, *, lr: float, micro_batch_size: int, grad_accum_steps: int, seed: int, frozen: bool
+) -> StrategyOptions:
+    """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
+    model) runs as ``StrategyOptions.for_inference`` says."""
+    from dataclasses import replace
+
+    options = replace(
+        ds, lr=lr, micro_batch_size=micro_batch_size, grad_accum_steps=max(1, grad_accum_steps), seed=seed
+    )
+    return options.for_inference() if frozen else options

@@ -1,0 +1,219 @@
+"""One data-parallel rank of a learner group, as a Ray actor around rlhf-learner. Every method is
+keyword-only and typed: the driver calls them by name in code (``LearnerGroup``), never by string."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rlhf_cli.data.batches import to_rows
+from rlhf_cli.runtime import losses
+from rlhf_cli.runtime.specs import DPOSettings, GroupSpec, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_learner import (
+    DPOBatch,
+    KTOBatch,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    StepResult,
+    ValueBatch,
+)
+
+__all__ = ["LearnerWorker", "build_model"]
+
+
+def build_model(spec: GroupSpec, ds_config: dict) -> torch.nn.Module:
+    """The module of ``spec.role``: an ``Actor`` (with LoRA when set), a reference, a critic or a reward
+    model (frozen unless it trains)."""
+    from rlhf_learner import Actor, apply_lora, load_causal_lm, load_critic, load_reference, load_reward_model
+
+    if spec.role == "actor":
+        lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config)
+        if spec.lora is not None:
+            lm = apply_lora(lm, spec.lora)
+        return Actor(lm, temperature=spec.temperature)
+    if spec.role == "ref":
+        return load_reference(
+            spec.model_path, options=spec.model, ds_config=ds_config, temperature=spec.temperature
+        )
+    if spec.role == "critic":
+        return load_critic(spec.model_path, options=spec.model, ds_config=ds_config)
+    model = load_reward_model(spec.model_path, options=spec.model, ds_config=ds_config)
+    if not spec.trained:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+class LearnerWorker:
+    """One data-parallel rank of a learner group (a Ray actor)."""
+
+    def __init__(self, *, spec: GroupSpec, rank: int) -> None:
+        self.spec, self.rank = spec, rank
+        self.engine: Any = None
+        self.sender: Any = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (for the group's rendezvous)."""
+        import ray
+        from rlhf_learner.strategy import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, *, master_addr: str, master_port: int) -> int:
+        """Join the group's process group and build the model; returns the parameter count."""
+        from rlhf_learner import Strategy
+
+        spec = self.spec
+        self.strategy = Strategy(spec.strategy)
+        self.strategy.setup_distributed(
+            rank=self.rank, world_size=spec.world_size, master_addr=master_addr, master_port=master_port
+        )
+        model = build_model(spec, self.strategy.ds_config(train=spec.trained))
+        self.engine = self.strategy.prepare(model, train=spec.trained)
+        return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+
+    # --- inference -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self, *, sequences: list[torch.Tensor], micro_batch_size: int, packing: bool
+    ) -> list[torch.Tensor]:
+        """Per sequence: log-probs (actor, ref), state values (critic) as ``[T]``, or a score (reward)."""
+        out: list[torch.Tensor] = []
+        role = self.spec.role
+        self.engine.eval()
+        for lo in range(0, len(sequences), micro_batch_size):
+            chunk = sequences[lo : lo + micro_batch_size]
+            rows = to_rows([{"input_ids": s} for s in chunk], packing=packing and role != "reward")
+            t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
+            kw = {k: t[k] for k in ("attention_mask", "position_ids") if k in t}
+            if role in ("actor", "ref"):
+                out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw).logp)]
+            elif role == "critic":
+                out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw))]
+            else:  # a reward model in training scores raw (its stored normalisation is for its users)
+                scores = self.engine(t["input_ids"], **kw, normalize=False if self.spec.trained else None)
+                out += list(scores.float().cpu())
+        if self.spec.trained:
+            self.engine.train()
+        return out
+
+    @torch.no_grad()
+    def sequence_logps(
+        self, *, sequences: list[torch.Tensor], masks: list[torch.Tensor], micro_batch_size: int
+    ) -> list[float]:
+        """Per sequence (a policy or reference): the summed log-probs of its ``masks`` tokens, from
+        padded rows as the DPO / KTO steps lay them out."""
+        logp = self.forward(sequences=sequences, micro_batch_size=micro_batch_size, packing=False)
+        return [float((lp * m).sum()) for lp, m in zip(logp, masks, strict=True)]
+
+    # --- updates ---------------------------------------------------------------------------------
+    def train_policy(self, *, micro_batches: list[PolicyBatch], settings: PolicyLossSettings) -> StepResult:
+        from rlhf_learner import ppo_actor_step
+
+        return ppo_actor_step(self.engine, micro_batches, **losses.policy_step_args(settings))
+
+    def train_value(self, *, micro_batches: list[ValueBatch], settings: ValueLossSettings) -> StepResult:
+        from rlhf_learner import critic_step
+
+        return critic_step(self.engine, micro_batches, **losses.value_step_args(settings))
+
+    def train_sft(self, *, micro_batches: list[SFTBatch]) -> StepResult:
+        from rlhf_algos import sft_loss
+        from rlhf_learner import sft_step
+
+        return sft_step(self.engine, micro_batches, sft_loss_fn=sft_loss)
+
+    def train_reward_model(self, *, micro_batches: list[RewardBatch]) -> StepResult:
+        from rlhf_algos import pairwise_rm_loss
+        from rlhf_learner import reward_model_step
+
+        return reward_model_step(self.engine, micro_batches, pair_loss_fn=pairwise_rm_loss)
+
+    def train_dpo(self, *, micro_batches: list[DPOBatch], settings: DPOSettings) -> StepResult:
+        from rlhf_learner import dpo_step
+
+        return dpo_step(self.engine, micro_batches, **losses.dpo_step_args(settings))
+
+    def train_kto(self, *, micro_batches: list[KTOBatch], settings: KTOSettings) -> StepResult:
+        from rlhf_learner import kto_step
+
+        return kto_step(self.engine, micro_batches, **losses.kto_step_args(settings))
+
+    def set_reward_normalization(self, *, mean: float, std: float) -> None:
+        """Store the score statistics in the reward model's config (saved with the export)."""
+        self.engine.module.set_normalization(mean=mean, std=std)
+
+    # --- weight sync (actor) ---------------------------------------------------------------------
+    def open_weight_sync(
+        self, *, transport: str, master_addr: str, master_port: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Rank 0 hosts the sync group (blocks until every engine joined); other ranks only gather."""
+        from rlhf_weightsync import DEFAULT_BUCKET_BYTES, WeightSender
+
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES[transport]
+        if self.rank == 0:
+            self.sender = WeightSender(
+                transport=transport,  # type: ignore[arg-type]
+                master_addr=master_addr,
+                master_port=master_port,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                bucket_bytes=self.bucket_bytes,
+            )
+
+    def send_weights(self, *, version: int) -> Any:
+        """Ship the current policy to every engine (ZeRO-3 shards gathered bucket by bucket; LoRA
+        merged first). Collective over the group; rank 0 returns the sender's ``SyncStats``, the
+        other ranks None."""
+        from rlhf_learner.strategy import unwrap_hf_model
+        from rlhf_weightsync import gather_along
+
+        hf = unwrap_hf_model(self.engine.module)
+        if hasattr(hf, "peft_config"):  # ZeRO 0-2 (checked): every rank holds the weights; rank 0 merges
+            if self.rank != 0:
+                return None
+            from rlhf_learner.lora import merged_state_dict
+
+            state, _ = merged_state_dict(hf, self.strategy.full_state_dict(hf))
+            named, gather = list(state.items()), None
+        else:
+            named, gather = list(hf.named_parameters()), self.strategy.gather
+        if self.rank != 0:
+            if gather is not None:
+                gather_along(named, gather=gather, bucket_bytes=self.bucket_bytes)
+            return None
+        return self.sender.send(named, gather=gather, version=version)
+
+    def close_weight_sync(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    # --- checkpoints and export ------------------------------------------------------------------
+    def save(self, *, directory: str, tag: str) -> None:
+        self.strategy.save_checkpoint(self.engine, directory, tag=tag)
+
+    def load(self, *, directory: str, tag: str) -> None:
+        self.strategy.load_checkpoint(self.engine, directory, tag=tag)
+
+    def export(self, *, directory: str, tokenizer_path: str | None) -> None:
+        tokenizer = None
+        if tokenizer_path is not None and self.rank == 0:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.strategy.export_hf(self.engine.module, directory, tokenizer=tokenizer)
+
+    def export_adapter(self, *, directory: str) -> bool:
+        """Write the LoRA adapter alone (rank 0; ZeRO 0-2 keep whole weights on every rank). False
+        when the model has no adapter."""
+        from rlhf_learner import save_adapter
+        from rlhf_learner.strategy import unwrap_hf_model
+
+        hf = unwrap_hf_model(self.engine.module)
+        if not hasattr(hf, "peft_config"):
+            return False
+        if self.rank == 0:
+            save_adapter(hf, directory)
+        return True

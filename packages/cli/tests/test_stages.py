@@ -1,0 +1,727 @@
+"""The PPO step's stages (rollout with DAPO filtering, rewards, experience, updates) against plain
+in-process fake groups and executors: no Ray, no engines, no DeepSpeed. Expected values come from
+reference loops written here, not from the implementation."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import yaml
+from rlhf_algos import AdaptiveKLController, FixedKLController, overlong_penalty
+from rlhf_cli.config import PPOConfig, build_config
+from rlhf_cli.data.batches import Sample
+from rlhf_cli.data.prompts import PromptSet
+from rlhf_cli.ppo.experience import make_experience, make_kl_controller
+from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
+from rlhf_cli.ppo.rollout import RolloutStage
+from rlhf_cli.ppo.updates import micro_batches, policy_settings, update
+from rlhf_cli.runtime.specs import GroupSpec
+from rlhf_learner import ModelOptions, PolicyBatch, StepResult, StrategyOptions, ValueBatch
+from rlhf_rollout import Trajectory
+
+# ---------------------------------------------------------------------------------------------------
+# fakes
+
+
+BASE_FLAGS = ("--train.warmup_sft_steps", "0")
+
+
+def cfg_of(*flags: str) -> PPOConfig:
+    """``build_config(PPOConfig, flags)`` for ``--a.b value`` pairs, validated by the same model but
+    without the flag parser, which re-reads the config modules' source on every call (seconds each);
+    ``test_cfg_of_matches_build_config`` keeps the two in step."""
+    argv = [*BASE_FLAGS, *flags]
+    tree: dict = {}
+    for name, raw in zip(argv[::2], argv[1::2], strict=True):
+        *parents, leaf = name.removeprefix("--").split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return PPOConfig.model_validate(tree)
+
+
+def token_score(ids: torch.Tensor, salt: int) -> torch.Tensor:
+    """Deterministic per-token 'log-probs' from the ids and positions (column 0 predicts nothing: 0)."""
+    t = torch.arange(ids.shape[0])
+    out = -(((ids * 7 + t * 3 + salt) % 11).to(torch.float32) + 1.0) / 10.0
+    out[0] = 0.0
+    return out
+
+
+class FakeGroup:
+    """A learner group in-process: contiguous shards like ``LearnerGroup``, forward = ``score(ids)``,
+    train_* record what they got."""
+
+    def __init__(self, role: str, *, world_size: int = 1, score=None) -> None:
+        self.spec = GroupSpec(
+            role=role,
+            model_path="fake",
+            world_size=world_size,
+            strategy=StrategyOptions(),
+            model=ModelOptions(),
+        )
+        self.score = score
+        self.forward_calls: list[dict] = []
+        self.policy_calls: list[tuple] = []
+        self.value_calls: list[tuple] = []
+
+    def shards(self, items):
+        n, k = len(items), self.spec.world_size
+        return [list(items[n * r // k : n * (r + 1) // k]) for r in range(k)]
+
+    def forward(self, sequences, *, micro_batch_size, packing):
+        self.forward_calls.append(
+            {"sequences": [s.clone() for s in sequences], "mbs": micro_batch_size, "packing": packing}
+        )
+        return [self.score(s) for s in sequences]
+
+    def train_policy(self, per_rank, *, settings):
+        self.policy_calls.append((per_rank, settings))
+        return StepResult(loss=float(len(self.policy_calls)), grad_norm=0.5, metrics={"clip_frac": 0.25})
+
+    def train_value(self, per_rank, *, settings):
+        self.value_calls.append((per_rank, settings))
+        return StepResult(loss=10.0 + len(self.value_calls), grad_norm=None, metrics={"values": 1.5})
+
+
+def make_samples(n_prompts: int, n: int, *, seed: int = 0, hole: bool = True) -> list[Sample]:
+    """Samples grouped by prompt, varied lengths, one with an environment-token hole in its mask."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_prompts):
+        for j in range(n):
+            p, r = rng.randint(2, 4), rng.randint(2, 6)
+            ids = torch.tensor([rng.randint(3, 60) for _ in range(p + r)], dtype=torch.long)
+            mask = torch.tensor([False] * p + [True] * r)
+            if hole and g == 0 and j == 0 and r >= 3:
+                mask[p + 1] = False  # an environment token between two policy tokens
+            base = token_score(ids, salt=1)
+            noise = torch.tensor([rng.uniform(-0.3, 0.3) for _ in range(p + r)])
+            rollout = torch.where(mask, base + noise, torch.zeros(()))
+            out.append(
+                Sample(
+                    token_ids=ids,
+                    action_mask=mask,
+                    rollout_logp=rollout,
+                    score=0.0,
+                    reward=float(rng.choice([0.0, 0.25, 1.0, 1.0, -0.5])),
+                    truncated=False,
+                    prompt_index=g,
+                    weight_version=1,
+                )
+            )
+    return out
+
+
+def actor_group(**kw) -> FakeGroup:
+    return FakeGroup("actor", score=lambda s: token_score(s, salt=1), **kw)
+
+
+def ref_group() -> FakeGroup:
+    return FakeGroup("ref", score=lambda s: token_score(s, salt=4))
+
+
+def critic_group(**kw) -> FakeGroup:
+    return FakeGroup("critic", score=lambda s: (s % 5).to(torch.float32) * 0.3 - 0.2, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reference computations
+
+
+def ref_kl(x: float, estimator: str) -> float:
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x * x
+    return math.exp(-x) - 1.0 + x
+
+
+def ref_group_norm_advantages(samples, n, *, kl_coef=0.0, kl=None, gamma=1.0) -> list[list[float]]:
+    """GRPO by hand: (r - mean) / (unbiased std + 1e-6) per prompt group, placed on the last action
+    token, minus kl_coef * kl on every action token, summed to go (discounted, holes skipped)."""
+    out = []
+    for g in range(len(samples) // n):
+        rs = [samples[g * n + j].reward for j in range(n)]
+        mean = sum(rs) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / (n - 1))
+        for j in range(n):
+            i = g * n + j
+            s = samples[i]
+            act = [t for t in range(s.length) if bool(s.action_mask[t])]
+            tok = {t: -kl_coef * (kl[i][t] if kl else 0.0) for t in act}
+            tok[act[-1]] += (rs[j] - mean) / (std + 1e-6)
+            adv, running = [0.0] * s.length, 0.0
+            for t in reversed(act):
+                running = tok[t] + gamma * running
+                adv[t] = running
+            out.append(adv)
+    return out
+
+
+def test_cfg_of_matches_build_config():
+    flags = (
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--algo.kl.coef", "0.05", "--algo.kl.use_loss", "true", "--algo.is_correction.mode", "tis",
+        "--algo.stop_penalty", "-1", "--algo.clip.eps_high", "0.28", "--train.packing", "false",
+        "--algo.dynamic_filtering.enable", "true", "--actor.aux_loss_coef", "0.01",
+    )  # fmt: skip
+    built = build_config(PPOConfig, [*BASE_FLAGS, *flags])
+    assert cfg_of(*flags).model_dump() == built.model_dump()
+    assert built.algo.stop_penalty == -1.0 and built.algo.kl.use_loss is True
+
+
+# ---------------------------------------------------------------------------------------------------
+# experience
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_experience_scores_land_on_their_samples_and_kl_is_the_masked_estimator_mean(estimator):
+    cfg = cfg_of(
+        "--rollout.batch_size", "3", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
+        "--algo.kl.coef", "0.1", "--algo.kl.use_loss", "true", "--algo.kl.estimator", estimator,
+        "--train.packing", "false",
+    )  # fmt: skip
+    samples = make_samples(3, 4, seed=1)
+    actor, ref = actor_group(), ref_group()
+    exp = make_experience(cfg, samples, actor=actor, ref=ref, critic=None, kl_coef=0.1)
+
+    # the groups saw the sequences in order, with the configured micro-batch size and packing
+    for g in (actor, ref):
+        (call,) = g.forward_calls
+        assert [s.tolist() for s in call["sequences"]] == [s.token_ids.tolist() for s in samples]
+        assert call["mbs"] == 2 and call["packing"] is False
+    total, count = 0.0, 0
+    for s in exp.samples:
+        assert torch.equal(s.old_logp, token_score(s.token_ids, salt=1))
+        assert torch.equal(s.ref_logp, token_score(s.token_ids, salt=4))
+        assert s.values is None
+        for t in range(s.length):
+            if s.action_mask[t]:
+                total += ref_kl(float(s.old_logp[t]) - float(s.ref_logp[t]), estimator)
+                count += 1
+    assert exp.kl_mean == pytest.approx(total / count, rel=1e-5, abs=1e-7)
+    assert exp.kl_coef == 0.1
+    m = exp.metrics()
+    assert m["policy/kl"] == exp.kl_mean and m["policy/kl_coef"] == 0.1
+
+
+def test_experience_group_norm_advantages_match_grpo_by_hand():
+    cfg = cfg_of(
+        "--rollout.batch_size", "3", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
+        "--algo.advantage.estimator", "group_norm",
+    )  # fmt: skip
+    samples = make_samples(3, 4, seed=2)
+    samples[4].reward = samples[5].reward = samples[6].reward = samples[7].reward = 0.5  # a tied group
+    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0)
+    want = ref_group_norm_advantages(samples, 4)
+    adv_tokens = []
+    for s, w in zip(exp.samples, want, strict=True):
+        assert s.advantages.shape == (s.length,) and s.returns.shape == (s.length,)
+        assert s.advantages.tolist() == pytest.approx(w, rel=1e-5, abs=1e-5)
+        assert s.returns.tolist() == pytest.approx(w, rel=1e-5, abs=1e-5)  # no critic: A = G
+        adv_tokens += [w[t] for t in range(s.length) if s.action_mask[t]]
+    assert all(a == 0.0 for a in exp.samples[5].advantages.tolist())  # the tied group carries nothing
+    assert exp.advantage_mean == pytest.approx(sum(adv_tokens) / len(adv_tokens), abs=1e-5)
+    assert exp.advantage_abs_mean == pytest.approx(sum(map(abs, adv_tokens)) / len(adv_tokens), abs=1e-5)
+    # without a reference: no KL and no policy/kl
+    assert exp.kl_mean is None
+    assert "policy/kl" not in exp.metrics() and "policy/kl_coef" not in exp.metrics()
+
+
+def test_experience_in_reward_kl_uses_the_controllers_coefficient_and_gamma():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "3", "--train.micro_batch_size", "2",
+        "--algo.kl.coef", "0.05", "--algo.kl.estimator", "k1", "--algo.advantage.gamma", "0.9",
+    )  # fmt: skip
+    samples = make_samples(2, 3, seed=3)
+    exp = make_experience(cfg, samples, actor=actor_group(), ref=ref_group(), critic=None, kl_coef=0.3)
+    kl = [[float(a) - float(b) for a, b in zip(s.old_logp, s.ref_logp, strict=True)] for s in exp.samples]
+    want = ref_group_norm_advantages(samples, 3, kl_coef=0.3, kl=kl, gamma=0.9)
+    for s, w in zip(exp.samples, want, strict=True):
+        assert s.advantages.tolist() == pytest.approx(w, rel=1e-5, abs=1e-5)
+
+
+def test_experience_logp_mismatch_is_over_action_tokens():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+    )  # fmt: skip
+    samples = make_samples(2, 2, seed=4)
+    # prompt tokens must not count: rollout_logp is 0 there, old_logp is not
+    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0)
+    gaps = [
+        abs(float(s.old_logp[t]) - float(s.rollout_logp[t]))
+        for s in exp.samples
+        for t in range(s.length)
+        if s.action_mask[t]
+    ]
+    assert exp.logp_mismatch_max == pytest.approx(max(gaps), abs=1e-6)
+    assert exp.logp_mismatch_mean == pytest.approx(sum(gaps) / len(gaps), abs=1e-6)
+    all_gaps = [abs(float(a) - float(b)) for s in exp.samples for a, b in zip(s.old_logp, s.rollout_logp)]
+    assert max(all_gaps) > max(gaps)  # the check above would fail if prompt tokens counted
+    m = exp.metrics()
+    assert m["sync/logp_mismatch_max"] == exp.logp_mismatch_max
+
+
+def test_experience_gae_values_and_whitened_advantages_by_hand():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--algo.advantage.estimator", "gae", "--algo.advantage.gamma", "0.95", "--algo.advantage.lam", "0.8",
+    )  # fmt: skip
+    samples = make_samples(2, 2, seed=5)
+    critic = critic_group()
+    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=critic, kl_coef=0.0)
+    raw, rets = [], []
+    for s in exp.samples:
+        v = ((s.token_ids % 5).to(torch.float32) * 0.3 - 0.2).tolist()
+        assert s.values.tolist() == pytest.approx(v)
+        act = [t for t in range(s.length) if s.action_mask[t]]
+        a, r = [0.0] * s.length, [0.0] * s.length
+        running = 0.0
+        for k in reversed(range(len(act))):
+            t = act[k]
+            reward = s.reward if k == len(act) - 1 else 0.0
+            v_next = v[act[k + 1]] if k + 1 < len(act) else 0.0
+            delta = reward + 0.95 * v_next - v[t]
+            running = delta + 0.95 * 0.8 * running
+            a[t], r[t] = running, running + v[t]
+        raw.append((a, act))
+        rets.append(r)
+    flat = [a[t] for a, act in raw for t in act]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    for s, (a, act), r in zip(exp.samples, raw, rets, strict=True):
+        want = [(a[t] - mean) / math.sqrt(var + 1e-8) if t in act else 0.0 for t in range(s.length)]
+        assert s.advantages.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert s.returns.tolist() == pytest.approx(r, rel=1e-5, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL controller
+
+
+def test_kl_controller_fixed_without_target():
+    cfg = cfg_of("--algo.kl.coef", "0.2")
+    ctl = make_kl_controller(cfg.algo.kl, value=0.2)
+    assert isinstance(ctl, FixedKLController)
+    assert ctl.update(5.0, 64) == 0.2 and ctl.value == 0.2
+
+
+def test_kl_controller_adaptive_with_target_moves_the_right_way():
+    cfg = cfg_of("--algo.kl.coef", "0.1", "--algo.kl.target", "0.05", "--algo.kl.horizon", "100")
+    up = make_kl_controller(cfg.algo.kl, value=0.1)
+    assert isinstance(up, AdaptiveKLController) and up.target == 0.05 and up.horizon == 100
+    assert up.update(0.06, 10) == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))  # error 0.2: KL above target
+    assert up.value > 0.1
+    big = make_kl_controller(cfg.algo.kl, value=0.1)
+    big.update(5.0, 10)  # error clipped at +0.2
+    assert big.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
+    down = make_kl_controller(cfg.algo.kl, value=0.1)
+    down.update(0.045, 10)  # error -0.1: KL below target
+    assert down.value == pytest.approx(0.1 * (1 - 0.1 * 10 / 100)) and down.value < 0.1
+
+
+# ---------------------------------------------------------------------------------------------------
+# updates
+
+
+def trained_samples(count: int, seed: int = 0) -> list[Sample]:
+    samples = make_samples(count // 2, 2, seed=seed, hole=False)
+    for s in samples:
+        s.old_logp = token_score(s.token_ids, salt=1)
+        s.ref_logp = token_score(s.token_ids, salt=4)
+        s.values = torch.full((s.length,), 0.1 * s.prompt_index)
+        s.advantages = torch.arange(s.length, dtype=torch.float32) + 100 * s.prompt_index
+        s.returns = s.advantages + 1
+    return samples
+
+
+def seqs_of(mb, field: str, *, packing: bool) -> list[tuple[list[int], list[float]]]:
+    """``(tokens, field values)`` of each sequence of a padded or packed micro-batch (packed rows:
+    one row, full, sequences found where position_ids restart)."""
+    values = getattr(mb, field)
+    out = []
+    if not packing:
+        for row, m, v in zip(mb.input_ids, mb.attention_mask, values, strict=True):
+            out.append((row[m.bool()].tolist(), v[m.bool()].tolist()))
+        return out
+    assert mb.attention_mask is None and mb.input_ids.shape[0] == 1
+    for tok, p, v in zip(mb.input_ids[0].tolist(), mb.position_ids[0].tolist(), values[0].tolist(), strict=True):
+        if p == 0:
+            out.append(([], []))
+        out[-1][0].append(tok)
+        out[-1][1].append(v)
+    return out
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_update_runs_each_epoch_and_gives_each_rank_its_contiguous_shard(packing):
+    cfg = cfg_of(
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--actor.num_devices_per_node", "2", "--train.ppo_epochs", "2", "--train.packing", str(packing).lower(),
+        "--algo.advantage.estimator", "gae", "--critic.num_devices_per_node", "2",
+    )  # fmt: skip
+    samples = trained_samples(8)
+    actor, critic = actor_group(world_size=2), critic_group(world_size=2)
+    upd = update(cfg, samples, actor=actor, critic=critic, kl_coef=0.0)
+    assert len(actor.policy_calls) == 2 and len(critic.value_calls) == 2
+    assert upd.actor.loss == 2.0 and upd.critic.loss == 12.0  # the last epoch's results
+    m = upd.metrics()
+    assert m["actor/loss"] == 2.0 and m["actor/clip_frac"] == 0.25 and m["actor/grad_norm"] == 0.5
+    assert m["critic/loss"] == 12.0 and m["critic/values"] == 1.5
+    for per_rank, _ in actor.policy_calls + critic.value_calls:
+        assert len(per_rank) == 2
+        for r, mbs in enumerate(per_rank):
+            assert len(mbs) == 2  # 4 samples per rank / micro_batch_size 2
+            for i, mb in enumerate(mbs):
+                part = samples[4 * r + 2 * i : 4 * r + 2 * (i + 1)]
+                if isinstance(mb, PolicyBatch):
+                    assert mb.ref_logp is None and mb.rollout_logp is None
+                    field, attr = "advantages", "advantages"
+                else:
+                    assert isinstance(mb, ValueBatch)
+                    field, attr = "returns", "returns"
+                want = [(s.token_ids.tolist(), getattr(s, attr).tolist()) for s in part]
+                got = seqs_of(mb, field, packing=packing)
+                assert (sorted(got) if packing else got) == (sorted(want) if packing else want)
+
+
+def test_update_without_critic_trains_only_the_actor():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--train.ppo_epochs", "3",
+    )  # fmt: skip
+    actor = actor_group()
+    upd = update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0)
+    assert len(actor.policy_calls) == 3 and upd.critic is None
+    assert not any(k.startswith("critic/") for k in upd.metrics())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_micro_batches_split_each_shard_by_micro_batch_size(world):
+    samples = trained_samples(12)
+    group = actor_group(world_size=world)
+    per_rank = micro_batches(samples, group, micro_batch_size=2, dynamic=False, build=lambda part: part)
+    assert len(per_rank) == world
+    shard = 12 // world
+    for r, mbs in enumerate(per_rank):
+        assert len(mbs) == shard // 2
+        assert [s for mb in mbs for s in mb] == samples[r * shard : (r + 1) * shard]
+        assert all(len(mb) == 2 for mb in mbs)
+
+
+def test_dynamic_micro_batches_partition_each_shard_by_tokens():
+    samples = trained_samples(8, seed=7)
+    lengths = [1, 9, 2, 8, 3, 3, 10, 1]
+    for s, n in zip(samples, lengths, strict=True):
+        s.token_ids = torch.arange(n)
+    per_rank = micro_batches(samples, actor_group(world_size=2), micro_batch_size=2, dynamic=True, build=list)
+    for r, mbs in enumerate(per_rank):
+        shard = samples[4 * r : 4 * (r + 1)]
+        assert len(mbs) == 2
+        got = [s for mb in mbs for s in mb]
+        assert sorted(map(id, got)) == sorted(map(id, shard))  # a partition of the shard
+        loads = sorted(sum(s.length for s in mb) for mb in mbs)
+        best = min(
+            abs(sum(shard[i].length for i in a) - sum(shard[i].length for i in range(4) if i not in a))
+            for a in [(0,), (1,), (2,), (3,), (0, 1), (0, 2), (0, 3)]
+        )
+        assert loads[1] - loads[0] == best  # near-equal tokens (optimal for 4 items in 2 groups)
+
+
+def test_policy_settings_carry_the_config():
+    cfg = cfg_of(
+        "--algo.clip.eps_low", "0.1", "--algo.clip.eps_high", "0.28", "--algo.clip.dual_clip", "3",
+        "--algo.loss_agg", "seq-mean-token-mean", "--train.packing", "false", "--algo.kl.coef", "0.05",
+        "--algo.kl.use_loss", "true", "--algo.kl.estimator", "k2", "--algo.is_correction.mode", "tis",
+        "--algo.is_correction.low", "0.5", "--algo.is_correction.high", "3", "--actor.aux_loss_coef", "0.01",
+        "--algo.entropy_coef", "0.001", "--rollout.max_new_tokens", "16", "--algo.clip.ratio_type", "sequence",
+    )  # fmt: skip
+    s = policy_settings(cfg, kl_coef=0.09)
+    assert (s.clip_eps_low, s.clip_eps_high, s.dual_clip, s.ratio_type) == (0.1, 0.28, 3.0, "sequence")
+    assert (s.loss_agg, s.horizon, s.entropy_coef) == ("seq-mean-token-mean", 16, 0.001)
+    assert (s.kl_estimator, s.kl_loss_coef) == ("k2", 0.09)  # the controller's value, as a loss
+    assert (s.is_correction, s.is_low, s.is_high, s.aux_loss_coef) == ("tis", 0.5, 3.0, 0.01)
+
+    default = policy_settings(cfg_of(), kl_coef=0.0)
+    assert (default.clip_eps_low, default.clip_eps_high, default.dual_clip) == (0.2, None, None)
+    assert (default.kl_loss_coef, default.is_correction, default.aux_loss_coef) == (0.0, "none", 0.0)
+    assert default.loss_agg == "token-mean" and default.horizon == cfg_of().rollout.max_new_tokens
+    # KL as a reward penalty: no KL loss term
+    assert policy_settings(cfg_of("--algo.kl.coef", "0.05"), kl_coef=0.05).kl_loss_coef == 0.0
+
+
+def test_update_sends_ref_and_rollout_logp_only_when_the_loss_needs_them():
+    common = ["--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2"]
+    cfg = cfg_of(
+        *common, "--algo.kl.coef", "0.05", "--algo.kl.use_loss", "true", "--algo.is_correction.mode", "icepop",
+        "--train.packing", "false",
+    )  # fmt: skip
+    samples = trained_samples(4)
+    actor = actor_group()
+    update(cfg, samples, actor=actor, critic=None, kl_coef=0.07)
+    ((per_rank, settings),) = actor.policy_calls
+    assert settings.kl_loss_coef == 0.07 and settings.is_correction == "icepop"
+    (mb, mb2) = per_rank[0]
+    for b, part in ((mb, samples[:2]), (mb2, samples[2:])):
+        m = b.action_mask.bool()
+        assert b.ref_logp[m].tolist() == [float(x) for s in part for x in s.ref_logp[s.action_mask]]
+        assert b.rollout_logp[m].tolist() == [float(x) for s in part for x in s.rollout_logp[s.action_mask]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# rewards
+
+
+def traj(*, reward=1.0, actions=3, prompt=2, truncated=False, mask=None, extra=None, ids=None) -> Trajectory:
+    mask = mask if mask is not None else [False] * prompt + [True] * actions
+    ids = ids if ids is not None else [5 + i for i in range(len(mask))]
+    return Trajectory(
+        token_ids=ids,
+        action_mask=mask,
+        logprobs=[-0.5 if m else 0.0 for m in mask],
+        prompt_len=prompt,
+        reward=reward,
+        score=reward,
+        truncated=truncated,
+        extra_logs=extra or {},
+    )
+
+
+@pytest.mark.parametrize(("coef", "truncated_reward"), [(0.5, 0.4), (0.0, 0.0), (-1.0, -1.0)])
+def test_stop_penalty_only_on_truncated(coef, truncated_reward):
+    stage = RewardStage(cfg_of("--algo.stop_penalty", str(coef)), reward_model=None)
+    assert stage.reward(traj(reward=0.8, truncated=True)) == pytest.approx(truncated_reward)
+    assert stage.reward(traj(reward=0.8, truncated=False)) == pytest.approx(0.8)
+    assert RewardStage(cfg_of(), reward_model=None).reward(traj(reward=0.8, truncated=True)) == 0.8
+
+
+def test_overlong_penalty_on_the_policys_token_count():
+    cfg = cfg_of("--rollout.max_new_tokens", "8", "--algo.overlong.buffer_length", "4",
+                 "--algo.overlong.penalty_factor", "2")  # fmt: skip
+    stage = RewardStage(cfg, reward_model=None)
+    for n in range(0, 12):
+        closed = 0.0 if n <= 4 else max((4 - n) / 4 * 2.0, -2.0)
+        got = stage.reward(traj(reward=0.3, actions=n))
+        assert got == pytest.approx(0.3 + closed), n
+        lib = float(overlong_penalty(torch.tensor([n]), max_length=8, buffer_length=4, penalty_factor=2.0)[0])
+        assert got == pytest.approx(0.3 + lib)
+    # multi-turn: environment tokens (mask false) after the prompt do not count
+    multi = traj(reward=0.3, prompt=2, mask=[False, False, True, False, False, False, True, True, False])
+    assert multi.response_len == 7 and sum(multi.action_mask) == 3
+    assert stage.reward(multi) == pytest.approx(0.3)
+    # both penalties: the stop penalty scales the reward, the overlong one is added
+    both = RewardStage(
+        cfg_of("--rollout.max_new_tokens", "8", "--algo.overlong.buffer_length", "4", "--algo.stop_penalty", "0.5"),
+        reward_model=None,
+    )
+    assert both.reward(traj(reward=0.8, actions=6, truncated=True)) == pytest.approx(0.4 - 0.5)
+
+
+def test_reward_model_score_replaces_score_and_reward():
+    cfg = cfg_of("--train.micro_batch_size", "4")
+    rm = FakeGroup("reward", score=lambda s: torch.tensor(float(s.sum()) / 100.0))
+    trajs = [traj(reward=9.0, ids=[1, 2, 3, 4, 5]), traj(reward=-9.0, ids=[7, 7, 7, 7, 7])]
+    RewardStage(cfg, reward_model=rm).score(trajs)
+    assert [t.score for t in trajs] == pytest.approx([0.15, 0.35])
+    assert [t.reward for t in trajs] == pytest.approx([0.15, 0.35])
+    (call,) = rm.forward_calls
+    assert [s.tolist() for s in call["sequences"]] == [[1, 2, 3, 4, 5], [7, 7, 7, 7, 7]]
+    assert call["mbs"] == 4 and call["packing"] is False
+    kept = [traj(reward=2.0)]
+    RewardStage(cfg, reward_model=None).score(kept)
+    assert kept[0].score == 2.0 and kept[0].reward == 2.0
+
+
+def test_extra_log_means_per_key_skipping_non_finite():
+    trajs = [
+        traj(extra={"a": 1.0, "b": float("nan")}),
+        traj(extra={"a": 3.0}),
+        traj(extra={"b": 2.0, "c": float("inf")}),
+        traj(extra={"c": float("-inf")}),
+        traj(),
+    ]
+    assert extra_log_means(trajs) == {"extra/a": 2.0, "extra/b": 2.0}
+    assert extra_log_means([traj(), traj()]) == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout stage: DAPO dynamic filtering with refill
+
+
+class ScriptedExecutors:
+    """``make_executor``: the executor of round ``k`` gives prompt ``i`` of its batch the ``n`` scores
+    ``script[k][i]``; every call is recorded."""
+
+    def __init__(self, script, *, truncated=lambda k, i, j: False) -> None:
+        self.script, self.truncated, self.calls = script, truncated, []
+
+    def __call__(self, params):
+        owner = self
+
+        class Executor:
+            def run(self, prompts, *, labels=None):
+                k = len(owner.calls)
+                owner.calls.append({"params": params, "prompts": [list(p) for p in prompts], "labels": labels})
+                scores = owner.script[k]
+                assert len(scores) == len(prompts)
+                out = []
+                for i, (p, sc) in enumerate(zip(prompts, scores, strict=True)):
+                    assert labels[i] == f"L{p[0]}"
+                    assert len(sc) == params.n
+                    for j, s in enumerate(sc):
+                        resp = [90 + j, 80 + k]
+                        out.append(
+                            Trajectory(
+                                token_ids=list(p) + resp,
+                                action_mask=[False] * len(p) + [True] * len(resp),
+                                logprobs=[0.0] * len(p) + [-0.25] * len(resp),
+                                prompt_len=len(p),
+                                reward=float(s),
+                                score=float(s),
+                                truncated=owner.truncated(k, i, j),
+                                prompt_index=i,
+                                sample_index=j,
+                                extra_logs={"round": float(k + 1)},
+                            )
+                        )
+                return out
+
+        return Executor()
+
+
+def prompt_set(count: int = 12, seed: int = 3) -> PromptSet:
+    ids = [[10 + i, 40 + i, 70 + i] for i in range(count)]
+    return PromptSet(token_ids=ids, labels=[f"L{p[0]}" for p in ids], seed=seed)
+
+
+def dapo_cfg(*extra: str) -> PPOConfig:
+    return cfg_of(
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--algo.dynamic_filtering.enable", "true", *extra,
+    )  # fmt: skip
+
+
+def batch_groups(batch) -> list[list[int]]:
+    """The prompt of each group of the batch (checking that a group's samples share it)."""
+    out = []
+    for g in range(len(batch.samples) // 2):
+        a, b = batch.samples[2 * g], batch.samples[2 * g + 1]
+        assert a.token_ids[:3].tolist() == b.token_ids[:3].tolist()
+        assert a.prompt_index == b.prompt_index == g
+        out.append(a.token_ids[:3].tolist())
+    return out
+
+
+def test_dapo_drops_uniform_groups_and_samples_more_prompts():
+    cfg = dapo_cfg("--algo.dynamic_filtering.max_rounds", "3")
+    script = [[[0, 0], [0, 1], [1, 1], [1, 0]], [[1, 0], [0, 1]]]
+    ex, prompts = ScriptedExecutors(script), prompt_set()
+    stage = RolloutStage(cfg, make_executor=ex, prompts=prompts, rewards=RewardStage(cfg, reward_model=None))
+    batch = stage.produce(5, weight_version=7)
+
+    assert [len(c["prompts"]) for c in ex.calls] == [4, 2]  # the second round asks for the 2 missing
+    r1, r2 = ex.calls[0]["prompts"], ex.calls[1]["prompts"]
+    assert batch_groups(batch) == [r1[1], r1[3], r2[0], r2[1]]
+    for g in range(4):
+        assert len({batch.samples[2 * g].score, batch.samples[2 * g + 1].score}) == 2  # no uniform group
+    assert batch.filter_rounds == 2 and batch.refilled == 0 and len(batch.samples) == 8
+    assert all(s.weight_version == 7 for s in batch.samples)
+    # the rounds drew exactly 4 + 2 prompts from the data order
+    drawn = prompt_set().next_batch(6)[0]
+    assert r1 + r2 == drawn and prompts.cursor.index == 6
+    # each round samples n per prompt with its own seed
+    for k, c in enumerate(ex.calls, start=1):
+        p = c["params"]
+        assert p.n == 2 and p.max_new_tokens == cfg.rollout.max_new_tokens
+        assert p.seed == cfg.train.seed + 100_003 * 5 + 7_919 * k
+    m = batch.metrics()
+    assert m["filter/rounds"] == 2.0 and m["filter/refilled_with_dropped_groups"] == 0.0
+    assert m["extra/round"] == pytest.approx(1.5)  # over the batch's trajectories: 4 of round 1, 4 of round 2
+    assert m["rollout/score_mean"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("max_rounds", "script", "want_groups", "want_refilled"),
+    [
+        # one kept group per round; after 2 rounds the 2 missing come from the dropped ones, in order
+        (
+            2,
+            [[[0, 0], [0, 1], [1, 1], [0, 0]], [[1, 1], [1, 0], [1, 1]]],
+            lambda r: [r[0][1], r[1][1], r[0][0], r[0][2]],
+            2,
+        ),
+        # nothing kept in 3 rounds: each round asks for 4, the batch is round 1's groups
+        (
+            3,
+            [[[0, 0]] * 4, [[1, 1]] * 4, [[0, 0], [1, 1], [0, 0], [1, 1]]],
+            lambda r: r[0][:4],
+            4,
+        ),
+    ],
+)
+def test_dapo_refills_with_dropped_groups_after_max_rounds(max_rounds, script, want_groups, want_refilled):
+    cfg = dapo_cfg("--algo.dynamic_filtering.max_rounds", str(max_rounds))
+    ex = ScriptedExecutors(script)
+    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    batch = stage.produce(1, weight_version=1)
+    assert len(ex.calls) == max_rounds  # no round beyond max_rounds
+    rounds = [c["prompts"] for c in ex.calls]
+    assert batch_groups(batch) == want_groups(rounds)
+    assert batch.refilled == want_refilled and batch.filter_rounds == max_rounds
+    assert len(batch.samples) == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    assert batch.metrics()["filter/refilled_with_dropped_groups"] == float(want_refilled)
+
+
+def test_dapo_range_flags_decide_what_is_kept():
+    # keep groups with mean score in (0.2, 0.8): means 0.25 and 0.75 kept, 0.1 and 1 dropped
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
+        "--algo.dynamic_filtering.enable", "true", "--algo.dynamic_filtering.low", "0.2",
+        "--algo.dynamic_filtering.high", "0.8",
+    )  # fmt: skip
+    script = [[[0.1, 0.1, 0.1, 0.1], [1, 0, 0, 0]], [[1, 1, 1, 1]], [[1, 1, 1, 0]]]
+    ex = ScriptedExecutors(script)
+    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    batch = stage.produce(1, weight_version=1)
+    assert [len(c["prompts"]) for c in ex.calls] == [2, 1, 1]
+    assert batch.filter_rounds == 3 and batch.refilled == 0
+    firsts = [batch.samples[4 * g].token_ids[:3].tolist() for g in range(2)]
+    assert firsts == [ex.calls[0]["prompts"][1], ex.calls[2]["prompts"][0]]
+
+
+def test_filtering_off_keeps_everything_in_one_round():
+    cfg = cfg_of(
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--algo.stop_penalty", "-1",
+    )  # fmt: skip
+    ex = ScriptedExecutors([[[0, 0], [1, 1], [0, 1], [1, 1]]], truncated=lambda k, i, j: i == 1 and j == 0)
+    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    batch = stage.produce(1, weight_version=1)
+    assert len(ex.calls) == 1
+    assert batch_groups(batch) == ex.calls[0]["prompts"]
+    assert batch.filter_rounds is None and batch.refilled == 0
+    assert [s.score for s in batch.samples] == [0, 0, 1, 1, 0, 1, 1, 1]
+    assert [s.reward for s in batch.samples] == [0, 0, -1, 1, 0, 1, 1, 1]  # the stop penalty on the truncated one
+    assert [s.truncated for s in batch.samples] == [False, False, True, False, False, False, False, False]
+    s = batch.samples[0]
+    assert s.action_mask.tolist() == [False] * 3 + [True] * 2
+    assert s.rollout_logp.tolist() == [0.0] * 3 + [-0.25] * 2
+    assert not any(k.startswith("filter/") for k in batch.metrics())
+
+
+def test_dapo_filters_on_the_reward_models_scores():
+    """The executor's scores are uniform (would all be dropped); the reward model's differ per sample
+    and replace them before filtering, so every group is kept in one round."""
+    cfg = dapo_cfg()
+    rm = FakeGroup("reward", score=lambda s: torch.tensor(float(s[-2] - 90)))  # 0 / 1 by sample index
+    ex = ScriptedExecutors([[[1, 1]] * 4])
+    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=rm))
+    batch = stage.produce(1, weight_version=1)
+    assert len(ex.calls) == 1 and batch.filter_rounds == 1
+    assert [s.score for s in batch.samples] == [0, 1] * 4
+    assert [s.reward for s in batch.samples] == [0, 1] * 4
