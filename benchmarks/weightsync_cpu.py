@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -53,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # see packages/rollout/tests/conftest.py
+from rlhf_learner.strategy import free_port
 from rlhf_weightsync import WeightReceiver, WeightSender, copy_into
 from rlhf_weightsync.checksum import word_sum
 
@@ -86,12 +86,6 @@ def make_model(fill: str) -> dict[str, torch.Tensor]:
     if fill == "random":
         return {n: torch.randn(s, generator=gen) for n, s in model_shapes().items()}
     return {n: torch.zeros(s) for n, s in model_shapes().items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def private_gloo(port: int, rank: int, world: int, devices: int = 1) -> dist.ProcessGroupGloo:

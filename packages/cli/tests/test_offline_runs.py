@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlhf_cli.demo import task
 from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
+from rlhf_cli.demo import task
 
 COMMON = [
     "--logger.progress",
@@ -295,21 +295,35 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
         "0",
     ]
     one = rows(run(DPOConfig, "dpo", tmp_path / "one", *flags).run_dir)
-    two = rows(
-        run(
-            DPOConfig,
-            "dpo",
-            tmp_path / "two",
-            *flags,
-            "--model.num_devices_per_node",
-            "2",
-            "--ref.num_devices_per_node",
-            "2",
-            "--ds.zero_stage",
-            "3",
-        ).run_dir
+    result = run(
+        DPOConfig,
+        "dpo",
+        tmp_path / "two",
+        *flags,
+        "--model.num_devices_per_node",
+        "2",
+        "--ref.num_devices_per_node",
+        "2",
+        "--ds.zero_stage",
+        "3",
+        "--export.dtype",
+        "bf16",
+        "--export.max_shard_gib",
+        "0.0003",  # ~320 kB: the tiny model's bf16 weights make several shards
     )
+    two = rows(result.run_dir)
     for a, b in zip(one, two, strict=True):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
         assert b["train/reward_accuracy"] == a["train/reward_accuracy"]
     assert two[1]["train/loss"] < two[0]["train/loss"]
+    # the export: sharded bf16 safetensors with an index, gathered from both ZeRO-3 ranks by rank 0
+    index = json.loads((result.final_model / "model.safetensors.index.json").read_text())
+    shards = sorted(result.final_model.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(result.final_model))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    unsharded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one" / "final_model"))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in unsharded.parameters())

@@ -91,7 +91,8 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
     func = tmp_path / "reward.py"
     func.write_text(
         "def reward_func(queries, prompts, labels):\n"
-        "    return [float(sum(c.isdigit() for c in q[len(p):])) for q, p in zip(queries, prompts)]\n"
+        "    digits = [float(sum(c.isdigit() for c in q[len(p):])) for q, p in zip(queries, prompts)]\n"
+        "    return {'rewards': digits, 'extra_logs': {'digits': digits, 'half': [d / 2 for d in digits]}}\n"
     )
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": f"say {i} digits", "label": i}) + "\n" for i in range(12)))
@@ -113,6 +114,9 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         "--eval.every=1",
     )
     rows = check_run(result)
+    for r in rows:  # the reward function's extra_logs, averaged per step under their own names
+        assert r["extra/digits"] == pytest.approx(r["rollout/score_mean"], rel=1e-6)
+        assert r["extra/half"] == pytest.approx(r["extra/digits"] / 2, rel=1e-6)
     # evaluation on --eval.path before the first step and after the last; the pass rate is a fraction
     assert 0 <= rows[0]["eval/pass_rate"] <= 1 and "eval/reward_mean" in rows[-1]
     assert "policy/kl" in rows[0] and rows[0]["policy/kl"] == pytest.approx(

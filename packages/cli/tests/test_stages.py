@@ -261,7 +261,9 @@ def test_experience_logp_mismatch_is_over_action_tokens():
     ]
     assert exp.logp_mismatch_max == pytest.approx(max(gaps), abs=1e-6)
     assert exp.logp_mismatch_mean == pytest.approx(sum(gaps) / len(gaps), abs=1e-6)
-    all_gaps = [abs(float(a) - float(b)) for s in exp.samples for a, b in zip(s.old_logp, s.rollout_logp)]
+    all_gaps = [
+        abs(float(a) - float(b)) for s in exp.samples for a, b in zip(s.old_logp, s.rollout_logp, strict=True)
+    ]
     assert max(all_gaps) > max(gaps)  # the check above would fail if prompt tokens counted
     m = exp.metrics()
     assert m["sync/logp_mismatch_max"] == exp.logp_mismatch_max
@@ -350,7 +352,9 @@ def seqs_of(mb, field: str, *, packing: bool) -> list[tuple[list[int], list[floa
             out.append((row[m.bool()].tolist(), v[m.bool()].tolist()))
         return out
     assert mb.attention_mask is None and mb.input_ids.shape[0] == 1
-    for tok, p, v in zip(mb.input_ids[0].tolist(), mb.position_ids[0].tolist(), values[0].tolist(), strict=True):
+    for tok, p, v in zip(
+        mb.input_ids[0].tolist(), mb.position_ids[0].tolist(), values[0].tolist(), strict=True
+    ):
         if p == 0:
             out.append(([], []))
         out[-1][0].append(tok)
@@ -456,7 +460,14 @@ def test_policy_settings_carry_the_config():
 
 
 def test_update_sends_ref_and_rollout_logp_only_when_the_loss_needs_them():
-    common = ["--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2"]
+    common = [
+        "--rollout.batch_size",
+        "2",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--train.micro_batch_size",
+        "2",
+    ]
     cfg = cfg_of(
         *common, "--algo.kl.coef", "0.05", "--algo.kl.use_loss", "true", "--algo.is_correction.mode", "icepop",
         "--train.packing", "false",
@@ -516,7 +527,14 @@ def test_overlong_penalty_on_the_policys_token_count():
     assert stage.reward(multi) == pytest.approx(0.3)
     # both penalties: the stop penalty scales the reward, the overlong one is added
     both = RewardStage(
-        cfg_of("--rollout.max_new_tokens", "8", "--algo.overlong.buffer_length", "4", "--algo.stop_penalty", "0.5"),
+        cfg_of(
+            "--rollout.max_new_tokens",
+            "8",
+            "--algo.overlong.buffer_length",
+            "4",
+            "--algo.stop_penalty",
+            "0.5",
+        ),
         reward_model=None,
     )
     assert both.reward(traj(reward=0.8, actions=6, truncated=True)) == pytest.approx(0.4 - 0.5)
@@ -566,7 +584,9 @@ class ScriptedExecutors:
         class Executor:
             def run(self, prompts, *, labels=None):
                 k = len(owner.calls)
-                owner.calls.append({"params": params, "prompts": [list(p) for p in prompts], "labels": labels})
+                owner.calls.append(
+                    {"params": params, "prompts": [list(p) for p in prompts], "labels": labels}
+                )
                 scores = owner.script[k]
                 assert len(scores) == len(prompts)
                 out = []
@@ -667,7 +687,9 @@ def test_dapo_drops_uniform_groups_and_samples_more_prompts():
 def test_dapo_refills_with_dropped_groups_after_max_rounds(max_rounds, script, want_groups, want_refilled):
     cfg = dapo_cfg("--algo.dynamic_filtering.max_rounds", str(max_rounds))
     ex = ScriptedExecutors(script)
-    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    stage = RolloutStage(
+        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+    )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == max_rounds  # no round beyond max_rounds
     rounds = [c["prompts"] for c in ex.calls]
@@ -686,7 +708,9 @@ def test_dapo_range_flags_decide_what_is_kept():
     )  # fmt: skip
     script = [[[0.1, 0.1, 0.1, 0.1], [1, 0, 0, 0]], [[1, 1, 1, 1]], [[1, 1, 1, 0]]]
     ex = ScriptedExecutors(script)
-    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    stage = RolloutStage(
+        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+    )
     batch = stage.produce(1, weight_version=1)
     assert [len(c["prompts"]) for c in ex.calls] == [2, 1, 1]
     assert batch.filter_rounds == 3 and batch.refilled == 0
@@ -700,13 +724,24 @@ def test_filtering_off_keeps_everything_in_one_round():
         "--algo.stop_penalty", "-1",
     )  # fmt: skip
     ex = ScriptedExecutors([[[0, 0], [1, 1], [0, 1], [1, 1]]], truncated=lambda k, i, j: i == 1 and j == 0)
-    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None))
+    stage = RolloutStage(
+        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+    )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == 1
     assert batch_groups(batch) == ex.calls[0]["prompts"]
     assert batch.filter_rounds is None and batch.refilled == 0
     assert [s.score for s in batch.samples] == [0, 0, 1, 1, 0, 1, 1, 1]
-    assert [s.reward for s in batch.samples] == [0, 0, -1, 1, 0, 1, 1, 1]  # the stop penalty on the truncated one
+    assert [s.reward for s in batch.samples] == [
+        0,
+        0,
+        -1,
+        1,
+        0,
+        1,
+        1,
+        1,
+    ]  # the stop penalty on the truncated one
     assert [s.truncated for s in batch.samples] == [False, False, True, False, False, False, False, False]
     s = batch.samples[0]
     assert s.action_mask.tolist() == [False] * 3 + [True] * 2
@@ -720,7 +755,9 @@ def test_dapo_filters_on_the_reward_models_scores():
     cfg = dapo_cfg()
     rm = FakeGroup("reward", score=lambda s: torch.tensor(float(s[-2] - 90)))  # 0 / 1 by sample index
     ex = ScriptedExecutors([[[1, 1]] * 4])
-    stage = RolloutStage(cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=rm))
+    stage = RolloutStage(
+        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=rm)
+    )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == 1 and batch.filter_rounds == 1
     assert [s.score for s in batch.samples] == [0, 1] * 4

@@ -71,7 +71,9 @@ def test_export_is_written_by_rank0_alone_and_shards_under_zero3(multirank):
     assert not (out / "export_r1").exists() and not (out / "export_sharded_r1").exists()
     sharded = out / "export_sharded"
     assert len(list(sharded.glob("model-*-of-*.safetensors"))) >= 3
-    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    assert (sharded / "model.safetensors.index.json").is_file() and not (
+        sharded / "model.safetensors"
+    ).exists()
     ids = torch.randint(3, 400, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = AutoModelForCausalLM.from_pretrained(sharded)(ids).logits

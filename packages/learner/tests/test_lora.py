@@ -86,3 +86,9 @@ def test_load_causal_lm_with_lora_gives_the_peft_model(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=4))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert hasattr(model, "peft_config") and trainable and all("lora_" in n for n in trainable)
+
+
+def test_lora_is_refused_under_autotp(dist_single, tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=4))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size > 1 with a LoRA model"):
+        Strategy(StrategyOptions(zero_stage=1, tensor_parallel_size=2)).prepare(Actor(model))

@@ -160,6 +160,11 @@ def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[
     base weights: ``W += scale * B @ A`` per adapted linear. Returns the base model's state dict
     (peft prefixes removed, adapter tensors dropped) and the base model (for its config)."""
     base = peft_model.get_base_model()
+    if getattr(base, "is_loaded_in_4bit", False):
+        raise ValueError(
+            "load_in_4bit: LoRA cannot be merged into 4-bit base weights here; save_adapter() and "
+            "merge_adapter() into the full-precision base"
+        )
     out: dict[str, torch.Tensor] = {}
     prefix = "base_model.model."
     for name, t in state.items():
@@ -181,7 +186,9 @@ def check_4bit(*, zero_stage: int | None = None) -> None:
     """Raise a one-line ValueError naming ``load_in_4bit`` unless 4-bit NF4 weights can be used here:
     not with ZeRO-3 (it cannot shard 4-bit weights), and only with CUDA and bitsandbytes."""
     if zero_stage == 3:
-        raise ValueError("load_in_4bit with zero_stage=3: ZeRO-3 cannot shard 4-bit weights; use zero_stage 0-2")
+        raise ValueError(
+            "load_in_4bit with zero_stage=3: ZeRO-3 cannot shard 4-bit weights; use zero_stage 0-2"
+        )
     if not torch.cuda.is_available():
         raise ValueError("load_in_4bit: 4-bit NF4 weights (bitsandbytes) need a CUDA GPU; none is present")
     if importlib.util.find_spec("bitsandbytes") is None:

@@ -115,58 +115,108 @@ def create_engines(
     ``start_timeout_s`` bounds the wait for every engine to come up.
     """
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if num_engines < 1:
-        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     tp = tensor_parallel_size
-    if tp > 1 and backend != "vllm":
-        raise ValueError(f"tensor_parallel_size={tp}: only the vllm backend shards a model")
-    if placement_group is None and bundle_indices is not None:
-        raise ValueError("bundle_indices needs a placement_group")
-    if placement_group is not None:
-        bundle_indices = list(bundle_indices) if bundle_indices is not None else list(range(num_engines * tp))
-        if len(bundle_indices) != num_engines * tp:
-            raise ValueError(
-                f"bundle_indices has {len(bundle_indices)} entries; num_engines * tensor_parallel_size "
-                f"= {num_engines * tp}"
-            )
-        available = placement_group.bundle_count
-        bad = [b for b in bundle_indices if not 0 <= b < available]
-        if bad:
-            raise ValueError(f"bundle_indices {bad} are outside the placement group's {available} bundles")
+    _check_engine_counts(num_engines=num_engines, backend=backend, tp=tp)
+    bundle_indices = _resolve_bundle_indices(
+        num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
+    )
     actor_cls = ray.remote(EngineActor)
     handles = []
     for i in range(num_engines):
-        kwargs = dict(engine_kwargs)
-        env = dict(env_vars or {})
-        options: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "num_gpus": num_gpus_per_engine}
-        if backend == "vllm":
-            if kwargs.get("tensor_parallel_size", tp) != tp:
-                raise ValueError(
-                    f"engine_kwargs['tensor_parallel_size']={kwargs['tensor_parallel_size']} differs from "
-                    f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
-                )
-            kwargs["tensor_parallel_size"] = tp
-            if tp > 1:
-                kwargs.setdefault("distributed_executor_backend", "ray")
-                options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
-        if placement_group is not None:
-            mine = bundle_indices[i * tp : (i + 1) * tp]
-            if tp > 1:
-                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in mine)
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group,
-                placement_group_bundle_index=mine[0],
-                placement_group_capture_child_tasks=True,
-            )
-        if env:
-            options["runtime_env"] = {"env_vars": env}
+        kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp)
+        options = _actor_options(
+            backend=backend,
+            tp=tp,
+            num_cpus=num_cpus_per_engine,
+            num_gpus=num_gpus_per_engine,
+            env_vars=env_vars,
+            placement_group=placement_group,
+            bundles=None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp],
+        )
         handles.append(actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs))
     ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
     return handles
+
+
+def _check_engine_counts(*, num_engines: int, backend: Backend, tp: int) -> None:
+    """At least one engine, of at least one worker; only vLLM shards a model over several."""
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp > 1 and backend != "vllm":
+        raise ValueError(f"tensor_parallel_size={tp}: only the vllm backend shards a model")
+
+
+def _resolve_bundle_indices(
+    *, num_engines: int, tp: int, placement_group: Any, bundle_indices: Sequence[int] | None
+) -> list[int] | None:
+    """The placement group's bundles the engines take, ``tp`` per engine (``None`` without a group);
+    checked against the group's size."""
+    if placement_group is None and bundle_indices is not None:
+        raise ValueError("bundle_indices needs a placement_group")
+    if placement_group is None:
+        return None
+    bundle_indices = list(bundle_indices) if bundle_indices is not None else list(range(num_engines * tp))
+    if len(bundle_indices) != num_engines * tp:
+        raise ValueError(
+            f"bundle_indices has {len(bundle_indices)} entries; num_engines * tensor_parallel_size "
+            f"= {num_engines * tp}"
+        )
+    available = placement_group.bundle_count
+    bad = [b for b in bundle_indices if not 0 <= b < available]
+    if bad:
+        raise ValueError(f"bundle_indices {bad} are outside the placement group's {available} bundles")
+    return bundle_indices
+
+
+def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) -> dict[str, Any]:
+    """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
+    (and, when sharded, Ray as the default distributed executor)."""
+    kwargs = dict(engine_kwargs)
+    if backend == "vllm":
+        if kwargs.get("tensor_parallel_size", tp) != tp:
+            raise ValueError(
+                f"engine_kwargs['tensor_parallel_size']={kwargs['tensor_parallel_size']} differs from "
+                f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
+            )
+        kwargs["tensor_parallel_size"] = tp
+        if tp > 1:
+            kwargs.setdefault("distributed_executor_backend", "ray")
+    return kwargs
+
+
+def _actor_options(
+    *,
+    backend: Backend,
+    tp: int,
+    num_cpus: float,
+    num_gpus: float,
+    env_vars: dict[str, str] | None,
+    placement_group: Any,
+    bundles: Sequence[int] | None,
+) -> dict[str, Any]:
+    """Ray ``.options`` for one engine actor: its resources, its placement on the first of
+    ``bundles`` (all of which its vLLM workers take) and its ``runtime_env``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    env = dict(env_vars or {})
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if backend == "vllm" and tp > 1:
+        options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
+    if placement_group is not None:
+        assert bundles is not None
+        if tp > 1:
+            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group,
+            placement_group_bundle_index=bundles[0],
+            placement_group_capture_child_tasks=True,
+        )
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
 
 
 class EngineClient:

@@ -7,7 +7,6 @@ when CUDA is absent; ``slow`` is registered for end-to-end tests.
 from __future__ import annotations
 
 import pytest
-
 from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 

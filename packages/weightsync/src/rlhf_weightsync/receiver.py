@@ -84,10 +84,7 @@ class WeightReceiver(Endpoint):
         received (so sender and receivers stay in step), the sender's ``send`` raises naming this rank,
         and the error is re-raised here. Weights loaded from earlier buckets stay loaded.
         """
-        if self._closed:
-            raise WeightSyncError("receive() on a closed WeightReceiver")
-        if self._broken:
-            raise WeightSyncError(f"rank {self.rank} is out of step with the sender after: {self._broken}")
+        self._check_ready()
         rdv, sync = self._rdv, self._sync
         rdv.wait([(f"sync/{sync}/manifest", 0)], what=f"the sender to start sync {sync}", timeout_s=timeout_s)
         t0 = time.perf_counter()
@@ -100,6 +97,35 @@ class WeightReceiver(Endpoint):
             scratch=self._scratch,
             target_for=getattr(load_fn, "target_for", None),
         )
+        error = self._load(load_fn, stream)
+        self._finish(error)
+        if error is not None:
+            raise error
+        return SyncStats(
+            version=manifest.version,
+            num_tensors=len(manifest.tensors),
+            num_names=stream.names_out,
+            num_buckets=len(manifest.buckets),
+            num_bytes=manifest.payload_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _check_ready(self) -> None:
+        """Refuse to start a sync on a closed receiver or one out of step with the sender."""
+        if self._closed:
+            raise WeightSyncError("receive() on a closed WeightReceiver")
+        if self._broken:
+            raise WeightSyncError(f"rank {self.rank} is out of step with the sender after: {self._broken}")
+
+    def _load(self, load_fn: LoadFn, stream: _BucketStream) -> Exception | None:
+        """Feed ``stream`` to ``load_fn``, then receive whatever it left; return its error, if any.
+
+        An error of ``load_fn`` (or a checksum mismatch) is returned, not raised, so the rest of the
+        sync is still received. Anything else (a failure of the transport, an interrupt) leaves this
+        rank out of step: it marks the receiver broken and propagates, chained to ``load_fn``'s error
+        if there was one.
+        """
+        sync, manifest = self._sync, stream.manifest
         error: Exception | None = None
         try:
             self._transport.begin(sync, [b.nbytes for b in manifest.buckets])
@@ -118,21 +144,15 @@ class WeightReceiver(Endpoint):
             if error is not None and error is not exc:
                 raise exc from error
             raise
+        return error
+
+    def _finish(self, error: Exception | None) -> None:
+        """Tell the sender how this sync went (``ok`` or the error) and move on to the next sync."""
         if self._transport.device.type != "cpu":
             self._scratch.clear()  # do not hold GPU memory between syncs
         status = "ok" if error is None else f"{type(error).__name__}: {error}"
-        rdv.set(f"sync/{sync}/done/{self.rank}", status.encode())
+        self._rdv.set(f"sync/{self._sync}/done/{self.rank}", status.encode())
         self._sync += 1
-        if error is not None:
-            raise error
-        return SyncStats(
-            version=manifest.version,
-            num_tensors=len(manifest.tensors),
-            num_names=stream.names_out,
-            num_buckets=len(manifest.buckets),
-            num_bytes=manifest.payload_bytes,
-            seconds=time.perf_counter() - t0,
-        )
 
 
 class _BucketStream:

@@ -106,36 +106,64 @@ class WeightSender(Endpoint):
         ``gather``: applied to the tensors of each bucket while that bucket is packed.
         ``version``: weights version to announce, greater than the previous one; default previous + 1.
         """
-        if self._closed:
-            raise WeightSyncError("send() on a closed WeightSender")
-        if self._broken:
-            raise WeightSyncError(f"this sender is out of step with its receivers after: {self._broken}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
-        if version is None:
-            version = self._version + 1
-        elif not isinstance(version, int) or version <= self._version:
-            raise ValueError(
-                f"version: expected an int greater than the previous {self._version}, got {version!r}"
-            )
+        self._check_ready()
+        _check_dtype(dtype)
+        version = self._next_version(version)
         t0 = time.perf_counter()
         specs, sources = collect(named_tensors, dtype)
         if gather is None:
-            for spec, src in zip(specs, sources, strict=True):
-                if src.numel() != spec.numel:
-                    raise ValueError(
-                        f"tensor {spec.name!r}: holds {src.numel()} of its {spec.numel} elements "
-                        "(a ZeRO-3 partition?); pass gather=..."
-                    )
+            _check_whole(specs, sources)
         buckets = plan_buckets(specs, self.bucket_bytes)
         manifest = Manifest(
             version=version, bucket_bytes=self.bucket_bytes, tensors=tuple(specs), buckets=buckets
         )
-        rdv, sync = self._rdv, self._sync
+        sync = self._sync
+        self._ship(manifest, specs, sources, gather)
+        failures = self._finish(version)
+        if failures:
+            raise WeightSyncError(f"sync {sync} (version {version}) failed on " + "; ".join(failures))
+        return SyncStats(
+            version=version,
+            num_tensors=len(specs),
+            num_names=sum(1 + len(s.aliases) for s in specs),
+            num_buckets=len(buckets),
+            num_bytes=manifest.payload_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _check_ready(self) -> None:
+        """Refuse to start a sync on a closed sender or one out of step with its receivers."""
+        if self._closed:
+            raise WeightSyncError("send() on a closed WeightSender")
+        if self._broken:
+            raise WeightSyncError(f"this sender is out of step with its receivers after: {self._broken}")
+
+    def _next_version(self, version: int | None) -> int:
+        """The version this sync announces: ``version``, checked to exceed the previous one, or previous + 1."""
+        if version is None:
+            return self._version + 1
+        if not isinstance(version, int) or version <= self._version:
+            raise ValueError(
+                f"version: expected an int greater than the previous {self._version}, got {version!r}"
+            )
+        return version
+
+    def _ship(
+        self,
+        manifest: Manifest,
+        specs: list[TensorSpec],
+        sources: list[torch.Tensor],
+        gather: GatherFn | None,
+    ) -> None:
+        """Announce ``manifest``, pack and post every bucket, and wait until every receiver is done.
+
+        Any failure leaves this sender out of step with its receivers: it is marked broken.
+        """
+        rdv, sync, version = self._rdv, self._sync, manifest.version
         rdv.set(f"sync/{sync}/manifest", manifest.to_bytes())
         try:
-            self._transport.begin(sync, [b.nbytes for b in buckets])
-            for index, bucket in enumerate(buckets):
+            self._transport.begin(sync, [b.nbytes for b in manifest.buckets])
+            for index, bucket in enumerate(manifest.buckets):
                 buf = self._transport.acquire(index)
                 params = list({id(sources[p.tensor]): sources[p.tensor] for p in bucket.pieces}.values())
                 with gather(params) if gather is not None else contextlib.nullcontext():
@@ -150,6 +178,11 @@ class WeightSender(Endpoint):
         except BaseException as exc:
             self._broken = f"sync {sync} (version {version}) failed: {type(exc).__name__}: {exc}"
             raise
+
+    def _finish(self, version: int) -> list[str]:
+        """Collect every receiver's status, clear this sync's keys and move on to the next sync;
+        return one line per receiver that failed."""
+        rdv, sync = self._rdv, self._sync
         failures = []
         for r in rdv.receivers:
             status = rdv.get(f"sync/{sync}/done/{r}").decode()
@@ -158,16 +191,23 @@ class WeightSender(Endpoint):
         rdv.delete([f"sync/{sync}/manifest", *(f"sync/{sync}/done/{r}" for r in rdv.receivers)])
         self._sync += 1
         self._version = version  # a failed sync may have been partly loaded: its version is used up
-        if failures:
-            raise WeightSyncError(f"sync {sync} (version {version}) failed on " + "; ".join(failures))
-        return SyncStats(
-            version=version,
-            num_tensors=len(specs),
-            num_names=sum(1 + len(s.aliases) for s in specs),
-            num_buckets=len(buckets),
-            num_bytes=manifest.payload_bytes,
-            seconds=time.perf_counter() - t0,
-        )
+        return failures
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    """``send``'s wire ``dtype`` must be a floating-point ``torch.dtype`` or ``None``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
+
+
+def _check_whole(specs: list[TensorSpec], sources: list[torch.Tensor]) -> None:
+    """Without a ``gather``, every source must already hold all of its elements."""
+    for spec, src in zip(specs, sources, strict=True):
+        if src.numel() != spec.numel:
+            raise ValueError(
+                f"tensor {spec.name!r}: holds {src.numel()} of its {spec.numel} elements "
+                "(a ZeRO-3 partition?); pass gather=..."
+            )
 
 
 def gather_along(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import difflib
+import functools
 import itertools
 import types
 import typing
@@ -54,8 +55,10 @@ def _branch_type(annotation: Any) -> type | None:
     return None
 
 
+@functools.cache
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a class and its bases (the string literal after each field)."""
+    """Attribute docstrings of a class and its bases (the string literal after each field); read once
+    per class (parsing the source is slow, and every flag parse and ``--help`` needs them)."""
     import ast
     import inspect
 

@@ -13,7 +13,7 @@ from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
 
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.models import GroupShape, RefConfig
-from rlhf_cli.config.run import CkptConfig, LoggerConfig, RayConfig, check_ds_fields
+from rlhf_cli.config.run import CkptConfig, ExportConfig, LoggerConfig, RayConfig, check_ds_fields
 
 __all__ = [
     "DPOConfig",
@@ -147,6 +147,7 @@ class OfflineConfig(Section):
     eval: OfflineEval = Field(default_factory=OfflineEval)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     command: ClassVar[str] = "offline"

@@ -16,6 +16,7 @@ from rlhf_cli.config.run import (
     CkptConfig,
     DataConfig,
     EvalConfig,
+    ExportConfig,
     LoggerConfig,
     RayConfig,
     TrainConfig,
@@ -45,6 +46,7 @@ class PPOConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @property

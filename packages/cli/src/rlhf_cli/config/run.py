@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from rlhf_learner import StrategyOptions
 
 from rlhf_cli.config._base import Section
+from rlhf_cli.runtime.specs import ExportOptions
 
 __all__ = [
     "DS_FIELDS_SET_ELSEWHERE",
     "CkptConfig",
     "DataConfig",
     "EvalConfig",
+    "ExportConfig",
     "LoggerConfig",
     "RayConfig",
     "TrainConfig",
@@ -99,6 +102,17 @@ class CkptConfig(Section):
     """Resume from the latest checkpoint in the run folder."""
     max_keep: int = Field(2, ge=1)
     """Checkpoints to keep (oldest deleted first)."""
+
+
+class ExportConfig(Section):
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """dtype of final_model/'s weights: auto keeps the training dtype; bf16 halves the folder."""
+    max_shard_gib: float = Field(5.0, gt=0)
+    """Split final_model/ into safetensors shards of at most this many GiB (model.safetensors.index.json
+    lists them); a smaller model is one model.safetensors. Rank 0 alone writes."""
+
+    def options(self) -> ExportOptions:
+        return ExportOptions(dtype=self.dtype, max_shard_bytes=int(self.max_shard_gib * 2**30))
 
 
 class LoggerConfig(Section):

@@ -225,7 +225,9 @@ def run_command(
         # ---- clean-up ---------------------------------------------------------------------------
         objective.finish(train_items)
         final, adapter = r.run_dir / "final_model", r.run_dir / "final_adapter"
-        groups.model.export(directory=str(final), tokenizer_path=str(r.model_dir))
+        groups.model.export(
+            directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options()
+        )
         has_adapter = groups.model.export_adapter(directory=str(adapter))
         summary = tracker.close()
         return OfflineResult(

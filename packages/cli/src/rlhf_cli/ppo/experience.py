@@ -91,7 +91,11 @@ def make_experience(
             s.values = values[i]
     mask = pad_stack([s.action_mask for s in samples])
     old_t = pad_stack([s.old_logp for s in samples])
-    kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator) if ref else None
+    kl = (
+        approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator)
+        if ref is not None
+        else None
+    )
     adv, ret = compute_advantages(
         cfg.algo.advantage.estimator,
         AdvantageInputs(

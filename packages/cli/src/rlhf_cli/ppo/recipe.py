@@ -116,6 +116,6 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
 
         # ---- clean-up -------------------------------------------------------------------------------
         final = r.run_dir / "final_model"
-        c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir))
+        c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
         summary = tracker.close()
         return PPOResult(run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary)

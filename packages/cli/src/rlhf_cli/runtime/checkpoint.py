@@ -42,6 +42,7 @@ RESUMABLE_CHANGES = (
     "train.num_epochs",
     "ckpt.",
     "logger.",
+    "export.",
     "ray.",
     "eval.every",
     "eval.max_samples",

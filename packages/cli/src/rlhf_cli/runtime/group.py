@@ -12,7 +12,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from rlhf_cli.runtime.specs import DPOSettings, GroupSpec, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.specs import (
+    DPOSettings,
+    ExportOptions,
+    GroupSpec,
+    KTOSettings,
+    PolicyLossSettings,
+    ValueLossSettings,
+)
 from rlhf_cli.runtime.worker import LearnerWorker
 from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, StepResult, ValueBatch
 
@@ -172,8 +179,10 @@ class LearnerGroup:
     def load(self, *, directory: str, tag: str) -> None:
         self._all(lambda w: w.load.remote(directory=directory, tag=tag))
 
-    def export(self, *, directory: str, tokenizer_path: str | None) -> None:
-        self._all(lambda w: w.export.remote(directory=directory, tokenizer_path=tokenizer_path))
+    def export(self, *, directory: str, tokenizer_path: str | None, options: ExportOptions) -> None:
+        self._all(
+            lambda w: w.export.remote(directory=directory, tokenizer_path=tokenizer_path, options=options)
+        )
 
     def export_adapter(self, *, directory: str) -> bool:
         return bool(self._all(lambda w: w.export_adapter.remote(directory=directory))[0])

@@ -36,7 +36,8 @@ class ModelShape:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSizes:
-    """Each group's own model; an unset one is the actor's (offline: the trained model's)."""
+    """Each group's own model; ``of`` gives the actor's (offline: the trained model's) for an unset one
+    and for ``model`` and ``engines``."""
 
     actor: ModelShape
     critic: ModelShape | None = None
@@ -44,7 +45,6 @@ class ModelSizes:
     reward: ModelShape | None = None
 
     def of(self, group: str) -> ModelShape:
-        """``group``'s model; the actor's for ``model`` and ``engines`` and the unset ones."""
         return getattr(self, group, None) or self.actor
 
 
@@ -58,7 +58,6 @@ class GroupPlan:
     parts: dict[str, float]
     """Memory per process in GiB: weights, grads+optimizer, activations (learners on GPU), KV (engines)."""
     params: int = 0
-    """Parameters of the group's model."""
     note: str = ""
     flags: tuple[str, ...] = ()
     """Flags that lower this group's memory (named when a GPU cannot hold it)."""
@@ -114,9 +113,7 @@ def _meta_params(config: Any, *, value_head: bool) -> int:
 
 def count_params(model_dir: Path) -> int:
     """Parameters of a Hugging Face folder as a causal LM, from its config on the meta device."""
-    from transformers import AutoConfig
-
-    return _meta_params(AutoConfig.from_pretrained(str(model_dir)), value_head=False)
+    return model_shape(model_dir, flag="the model folder").params
 
 
 def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
@@ -131,10 +128,9 @@ def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
 def model_shape(
     model_dir: Path | str | None, *, value_head: bool = False, flag: str = "--actor.pretrain"
 ) -> ModelShape:
-    """(params, hidden, layers, vocab, KV width) of a Hugging Face folder, read with ``AutoConfig``;
-    ``value_head``: as a scalar-head model (``_meta_params``). ``None``: the built-in demo model, from
-    ``DEMO_MODEL`` and ``demo_num_params()`` (tied embeddings: a value head adds h). ``flag`` names the
-    folder in the error when it has no config.json."""
+    """A Hugging Face folder's shape from ``AutoConfig`` (``value_head``: see ``_meta_params``; ``flag``
+    names the folder when it has no config.json). ``None``: the built-in demo model, from ``DEMO_MODEL``
+    and ``demo_num_params()`` (tied embeddings: a value head adds h)."""
     if model_dir is None:
         from rlhf_cli.demo.task import DEMO_MODEL, demo_num_params
         from rlhf_cli.demo.tiny_model import TinyModelSpec
@@ -162,7 +158,9 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
             ref=model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None,
         )
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
-    critic, ref, reward = None, None, None
+    critic: ModelShape | None = None
+    ref: ModelShape | None = None
+    reward: ModelShape | None = None
     if cfg.uses_critic:
         flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
         critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
@@ -186,12 +184,9 @@ def activation_bytes(
     (frozen groups) holds about one layer's ``34*s*b*h``. An LM head adds its fp32 logits ``4*s*b*v``
     (the paper's output-layer term); a value head none. fp32 activations double the per-layer terms."""
     sbh = seq_len * rows * shape.hidden * (1 if bits16 else 2)
-    if not trains:
-        body = 34 * sbh
-    elif checkpointing:
-        body = 2 * sbh * shape.layers + 34 * sbh
-    else:
-        body = 34 * sbh * shape.layers
+    kept = 0 if not trains else 2 if checkpointing else 34  # per layer, kept for the backward pass
+    working = 0 if trains and not checkpointing else 34  # the one layer being run (or recomputed)
+    body = (kept * shape.layers + working) * sbh
     return float(body + (0 if shape.value_head else 4 * seq_len * rows * shape.vocab))
 
 
@@ -209,38 +204,42 @@ class _Learner:
     checkpointing: bool = False
     gc_flag: str = ""
     note: str = ""
+    lora: bool = False
 
 
 def _learner_group(
-    spec: _Learner, shape: ModelShape, ds: StrategyOptions, bundle: dict, load: tuple[int, int] | None
+    g: _Learner, shape: ModelShape, ds: StrategyOptions, bundle: dict, load: tuple[int, int] | None
 ) -> GroupPlan:
     """A learner group's plan. Per process: weights (2 bytes in bf16, else 4) and, when it trains, fp32
     gradients and Adam states (fp32 master + two moments: 12 bytes in bf16; the moments: 8 in fp32),
-    divided over the ranks as the ZeRO stage shards them (none on the device when offloaded); on GPU
-    (``load``: sequence length, rows) plus ``activation_bytes`` of one micro-batch."""
-    ds = ds if spec.trains else ds.for_inference()
+    divided over the ranks as the ZeRO stage shards them (none on the device when offloaded; with LoRA
+    only the adapters train: their few parameters are not counted); on GPU (``load``: sequence length,
+    rows) plus ``activation_bytes`` of one micro-batch."""
+    ds = ds if g.trains else ds.for_inference()
     bf16, n = ds.precision == "bf16", shape.params
-    shard = lambda b, on: b / spec.world if ds.zero_stage >= on else b  # noqa: E731
+    shard = lambda b, on: b / g.world if ds.zero_stage >= on else b  # noqa: E731
     parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}
     flags = ("--ds.zero_stage 3", "--train.micro_batch_size")
-    if spec.trains:
-        adam = 0.0 if ds.offload_optimizer else shard(n * (12 if bf16 else 8), 1)
-        parts["grads+optimizer"] = (shard(n * 4, 2) + adam) / _GIB
+    if g.trains:
+        trained = 0 if g.lora else n
+        adam = 0.0 if ds.offload_optimizer else shard(trained * (12 if bf16 else 8), 1)
+        parts["grads+optimizer"] = (shard(trained * 4, 2) + adam) / _GIB
         flags = ("--ds.zero_stage", "--ds.offload_optimizer", "--train.micro_batch_size")
-        flags += () if spec.checkpointing else (spec.gc_flag,)
+        flags += () if g.checkpointing else (g.gc_flag,)
     if load is not None:
-        kw = {"trains": spec.trains, "checkpointing": spec.checkpointing, "bits16": bf16}
-        parts["activations"] = activation_bytes(shape, *load, **kw) / _GIB
-    note = spec.note or (f"ZeRO-{ds.zero_stage}, trains" if spec.trains else "frozen")
-    kw = {"bundle": bundle, "parts": parts, "params": n, "note": note, "flags": flags}
-    return GroupPlan(name=spec.name, processes=spec.world, **kw)
+        act = activation_bytes(shape, *load, trains=g.trains, checkpointing=g.checkpointing, bits16=bf16)
+        parts["activations"] = act / _GIB
+    trains = f"ZeRO-{ds.zero_stage}, trains" + (" LoRA adapters" if g.lora else "")
+    note = g.note or (trains if g.trains else "frozen")
+    return GroupPlan(
+        name=g.name, processes=g.world, bundle=bundle, parts=parts, params=n, note=note, flags=flags
+    )
 
 
 def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: ClusterResources) -> GroupPlan:
-    """Engine processes: weights (16-bit with vLLM on GPU, else fp32, as the engines load them) split over
-    TP, and the KV cache: ``--vllm.kv_cache_gib`` on CPU; on GPU vLLM pre-allocates
-    ``--vllm.gpu_memory_utilization`` of the device, and the KV cache is what the weights leave (refused
-    when that cannot hold one ``--vllm.max_model_len`` sequence)."""
+    """Engine processes: weights (16-bit with vLLM on GPU, else fp32, as the engines load them) over TP, and
+    the KV cache: ``--vllm.kv_cache_gib`` on CPU; on GPU what the weights leave of the device's fraction
+    vLLM pre-allocates (refused when it cannot hold one ``--vllm.max_model_len`` sequence)."""
     tp, util, max_len = cfg.vllm.tensor_parallel_size, cfg.vllm.gpu_memory_utilization, cfg.vllm.max_model_len
     vllm_gpu, device = resources.gpus > 0 and cfg.rollout.backend == "vllm", resources.gpu_memory_gib
     weights = shape.params * (2 if vllm_gpu else 4) / tp / _GIB
@@ -261,8 +260,10 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
         extra = f", KV: the rest of {util:g} of the device" if vllm_gpu else ", KV: grows with the batch"
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
     flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
-    kw = {"bundle": dict(bundle), "parts": parts, "params": shape.params, "note": note, "flags": flags}
-    return GroupPlan(name="engines", processes=cfg.vllm.num_engines * tp, **kw)
+    procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
+    return GroupPlan(
+        name="engines", processes=procs, bundle=bundle, parts=parts, params=n, note=note, flags=flags
+    )
 
 
 def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
@@ -291,16 +292,13 @@ def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg:
 
 
 def _bundle(resources: ClusterResources, ray_cfg: RayConfig) -> dict[str, float]:
-    return (
-        {"GPU": ray_cfg.gpus_per_worker, "CPU": 1.0}
-        if resources.gpus > 0
-        else {"CPU": ray_cfg.cpus_per_worker}
-    )
+    if resources.gpus > 0:
+        return {"GPU": ray_cfg.gpus_per_worker, "CPU": 1.0}
+    return {"CPU": ray_cfg.cpus_per_worker}
 
 
 def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig, what: str) -> None:
-    """Raise ConfigError naming the flags when the groups need more CPUs or GPUs than the cluster has,
-    or (``_check_memory``) more memory than a GPU has."""
+    """ConfigError naming the flags when the groups need more CPUs, GPUs or GPU memory than there is."""
     need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
     need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)
     if resources.gpus > 0 and need_gpu > resources.gpus:
@@ -316,11 +314,13 @@ def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: R
     _check_memory(groups, resources, ray_cfg)
 
 
-def _plan(groups: list[GroupPlan], resources: ClusterResources, transport: str, sizes: ModelSizes) -> Plan:
+def _plan(groups: list[GroupPlan], resources: ClusterResources, transport: str, n: int) -> Plan:
     gpu, dev = resources.gpus > 0, resources.gpu_memory_gib
     notes = [f"device memory: {dev:.2f} GiB per GPU (processes sharing a GPU add up)"] if gpu and dev else []
-    kw = {"transport": transport, "resources": resources, "num_params": sizes.actor.params, "notes": notes}
-    return Plan(device="cuda" if gpu else "cpu", groups=groups, **kw)
+    device = "cuda" if gpu else "cpu"
+    return Plan(
+        device=device, groups=groups, transport=transport, resources=resources, num_params=n, notes=notes
+    )
 
 
 def make_offline_plan(
@@ -337,7 +337,8 @@ def make_offline_plan(
     del num_params
     sizes = sizes if sizes is not None else model_sizes(cfg)
     gc = cfg.model.options.gradient_checkpointing
-    specs = [_Learner("model", cfg.model.world_size, True, gc, "--model.options.gradient_checkpointing")]
+    gc_flag, lora = "--model.options.gradient_checkpointing", getattr(cfg, "lora", None) is not None
+    specs = [_Learner("model", cfg.model.world_size, True, gc, gc_flag, lora=lora)]
     if with_ref:
         ref = cfg.ref  # type: ignore[attr-defined]
         note = "frozen, stopped after precomputing" if ref.precompute else "frozen"
@@ -347,7 +348,7 @@ def make_offline_plan(
     bundle = _bundle(resources, cfg.ray)
     groups = [_learner_group(s, sizes.of(s.name), cfg.ds, bundle, load) for s in specs]
     _check_fits(groups, resources, cfg.ray, "the learner groups")
-    return _plan(groups, resources, "none", sizes)
+    return _plan(groups, resources, "none", sizes.actor.params)
 
 
 def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
@@ -355,7 +356,8 @@ def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
     out = []
     for name, group, used in (("actor", cfg.actor, True), ("critic", cfg.critic, cfg.uses_critic)):
         gc, gc_flag = group.model.gradient_checkpointing, f"--{name}.model.gradient_checkpointing"
-        out += [_Learner(name, group.world_size, True, gc, gc_flag)] if used else []
+        lora = getattr(group, "lora", None) is not None  # the actor's --actor.lora
+        out += [_Learner(name, group.world_size, True, gc, gc_flag, lora=lora)] if used else []
     if cfg.uses_reference:
         out.append(_Learner("ref", cfg.ref.world_size, False))
     if cfg.reward.source == "model":
@@ -393,4 +395,4 @@ def make_plan(
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return _plan(groups, resources, transport, sizes)
+    return _plan(groups, resources, transport, sizes.actor.params)

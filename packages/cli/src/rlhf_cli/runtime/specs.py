@@ -4,12 +4,13 @@ the Ray boundary as itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
 
 __all__ = [
     "DPOSettings",
+    "ExportOptions",
     "GroupSpec",
     "KTOSettings",
     "PolicyLossSettings",
@@ -66,6 +67,21 @@ class PolicyLossSettings:
 class ValueLossSettings:
     clip_eps: float | None
     """Value clipping around the old values (None: off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """How the final Hugging Face folder is written (``--export.*``)."""
+
+    dtype: str = "auto"
+    """auto (the training dtype), bf16 or fp32."""
+    max_shard_bytes: int = 5 * 2**30
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
 
 @dataclass(frozen=True, kw_only=True)

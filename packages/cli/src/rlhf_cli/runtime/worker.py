@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from rlhf_cli.data.batches import to_rows
 from rlhf_cli.runtime import losses
-from rlhf_cli.runtime.specs import DPOSettings, GroupSpec, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.specs import (
+    DPOSettings,
+    ExportOptions,
+    GroupSpec,
+    KTOSettings,
+    PolicyLossSettings,
+    ValueLossSettings,
+)
 from rlhf_learner import (
     DPOBatch,
     KTOBatch,
@@ -197,13 +204,21 @@ class LearnerWorker:
     def load(self, *, directory: str, tag: str) -> None:
         self.strategy.load_checkpoint(self.engine, directory, tag=tag)
 
-    def export(self, *, directory: str, tokenizer_path: str | None) -> None:
+    def export(self, *, directory: str, tokenizer_path: str | None, options: ExportOptions) -> None:
+        """A Hugging Face folder (collective under ZeRO-3; rank 0 alone writes), sharded and cast as
+        ``options`` say."""
         tokenizer = None
         if tokenizer_path is not None and self.rank == 0:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.strategy.export_hf(self.engine.module, directory, tokenizer=tokenizer)
+        self.strategy.export_hf(
+            self.engine.module,
+            directory,
+            tokenizer=tokenizer,
+            dtype=options.torch_dtype,
+            max_shard_bytes=options.max_shard_bytes,
+        )
 
     def export_adapter(self, *, directory: str) -> bool:
         """Write the LoRA adapter alone (rank 0; ZeRO 0-2 keep whole weights on every rank). False

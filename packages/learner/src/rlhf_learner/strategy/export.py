@@ -58,7 +58,10 @@ def save_safetensors_shards(
         shard = {name: state[name].contiguous() for name in names}
         save_file(shard, str(directory / filename), metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        index = {
+            "metadata": dict(split.metadata),
+            "weight_map": dict(sorted(split.tensor_to_filename.items())),
+        }
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return list(split.filename_to_tensors)
 

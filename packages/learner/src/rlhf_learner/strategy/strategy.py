@@ -165,7 +165,9 @@ class Strategy:
         if self.options.sequence_parallel_size == 1:
             return None
         if not self._sp_ready:
-            raise RuntimeError("sequence_parallel_group: call setup_distributed() first (it creates the groups)")
+            raise RuntimeError(
+                "sequence_parallel_group: call setup_distributed() first (it creates the groups)"
+            )
         return self._sp_group
 
     def _new_sequence_parallel_group(self) -> Any:
@@ -196,6 +198,7 @@ class Strategy:
 
         if not dist.is_initialized():
             raise RuntimeError("call setup_distributed() (or init_distributed()) before prepare()")
+        self._check_model(model)
         config = self.ds_config(train=train)
         if optimizer is not None:
             config.pop("optimizer", None)
@@ -206,6 +209,18 @@ class Strategy:
         if not train:
             engine.eval()
         return engine
+
+    def _check_model(self, model: nn.Module) -> None:
+        """Refuse what these options cannot run: a LoRA model under AutoTP, 4-bit weights under ZeRO-3."""
+        modules = list(model.modules())
+        if self.options.tensor_parallel_size > 1 and any(hasattr(m, "peft_config") for m in modules):
+            raise ValueError(
+                "tensor_parallel_size > 1 with a LoRA model: DeepSpeed AutoTP cannot train peft adapters here"
+            )
+        if self.options.zero_stage == 3 and any(getattr(m, "is_loaded_in_4bit", False) for m in modules):
+            raise ValueError(
+                "load_in_4bit with zero_stage=3: ZeRO-3 cannot shard 4-bit weights; use zero_stage 0-2"
+            )
 
     @staticmethod
     def gather(params: Sequence[nn.Parameter]) -> AbstractContextManager[None]:
@@ -300,7 +315,7 @@ class Strategy:
         base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
         if getattr(base, "is_loaded_in_4bit", False):
             raise ValueError(
-                "export_hf: a load_in_4bit (QLoRA) model cannot be exported merged; save_adapter() it and "
+                "load_in_4bit: export_hf cannot merge LoRA into 4-bit base weights; save_adapter() and "
                 "merge_adapter() into the full-precision base"
             )
         state = self.full_state_dict(hf, rank0_only=True)

@@ -1,0 +1,234 @@
+"""The placement plan's memory estimate: each group's own model, activations and KV cache on GPU, and the
+refusal of a plan whose processes cannot fit in a GPU's memory. Plans are pure data: nothing starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from rlhf_cli.config import ConfigError, DPOConfig, PPOConfig, RMConfig, SFTConfig
+from rlhf_cli.runtime.cluster import ClusterResources
+from rlhf_cli.runtime.placement import (
+    ModelShape,
+    ModelSizes,
+    activation_bytes,
+    make_offline_plan,
+    make_plan,
+    model_shape,
+    model_sizes,
+)
+
+CPU = ClusterResources(cpus=16, gpus=0, nodes=1, node_ips=("127.0.0.1",))
+GIB = 2**30
+MID = ModelShape(params=100_000_000, hidden=1024, layers=8, vocab=1000, kv_dim=256)
+"""A made-up 100M-parameter model: big enough to matter on a small fake GPU."""
+
+
+def gpu(memory_gib: float | None, gpus: int = 4) -> ClusterResources:
+    return ClusterResources(cpus=16, gpus=gpus, nodes=1, node_ips=("127.0.0.1",), gpu_memory_gib=memory_gib)
+
+
+def write_config(path, *, layers: int = 2, hidden: int = 64, vocab: int = 300):
+    """A Hugging Face folder with only a config.json (all the plan reads)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(path)
+    return path
+
+
+def config(cls, *flags: str):
+    """``cls`` from ``--a.b value`` pairs, validated as the YAML tree (build_config's --help docs are slow)."""
+    tree: dict = {}
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        *path, leaf = flag.removeprefix("--").split(".")
+        node = tree
+        for key in path:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return cls.model_validate(tree)
+
+
+def ppo(*flags: str) -> PPOConfig:
+    return config(PPOConfig, *flags)
+
+
+def test_each_group_is_sized_from_its_own_folder(tmp_path):
+    actor = write_config(tmp_path / "actor", layers=2)
+    critic = write_config(tmp_path / "critic", layers=4)
+    ref = write_config(tmp_path / "ref", layers=3)
+    reward = write_config(tmp_path / "reward", layers=1)
+    cfg = ppo("--actor.pretrain", str(actor), "--critic.pretrain", str(critic), "--ref.pretrain", str(ref),
+              "--reward.pretrain", str(reward), "--algo.advantage.estimator", "gae", "--algo.kl.coef", "0.01")  # fmt: skip
+    sizes = model_sizes(cfg)
+    assert [sizes.of(g).layers for g in ("actor", "critic", "ref", "reward", "engines")] == [2, 4, 3, 1, 2]
+    assert sizes.critic.value_head and sizes.reward.value_head and not sizes.ref.value_head
+    plan = make_plan(cfg, CPU, sizes=sizes)
+    for name in ("actor", "critic", "ref", "reward"):
+        g = plan.group(name)
+        assert g.params == sizes.of(name).params
+        assert g.parts["weights"] == pytest.approx(g.params * 4 / GIB)  # fp32, not sharded at ZeRO-2
+    assert plan.group("critic").params > 1.5 * plan.group("actor").params
+    # the critic defaults to the actor's folder with a value head: one row of h instead of the LM head
+    plain = model_sizes(ppo("--actor.pretrain", str(actor), "--algo.advantage.estimator", "gae"))
+    assert plain.critic.params == plain.actor.params + 64 and plain.ref is None
+
+
+def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():
+    cfg = ppo("--algo.advantage.estimator", "gae", "--train.warmup_sft_steps", "0")
+    same = make_plan(cfg, CPU, sizes=ModelSizes(actor=MID, critic=MID))
+    double = make_plan(
+        cfg, CPU, sizes=ModelSizes(actor=MID, critic=dataclasses.replace(MID, params=2 * MID.params))
+    )
+    for part in ("weights", "grads+optimizer"):
+        assert double.group("critic").parts[part] == pytest.approx(2 * same.group("critic").parts[part])
+        assert double.group("actor").parts[part] == same.group("actor").parts[part]
+
+
+def test_value_head_counts_match_sequence_classification(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    folder = write_config(tmp_path / "m", layers=2)
+    with torch.device("meta"):
+        seq = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(folder, num_labels=1))
+    assert model_shape(folder, value_head=True).params == sum(p.numel() for p in seq.parameters())
+
+
+def test_demo_shape_matches_the_built_demo_model(demo_model_dir):
+    built, spec = model_shape(demo_model_dir), model_shape(None)
+    assert built == spec
+    assert model_shape(None, value_head=True).params == spec.params + spec.hidden
+
+
+def test_offline_sizes_rm_value_head_and_dpo_reference(tmp_path):
+    policy, ref = write_config(tmp_path / "p", layers=2), write_config(tmp_path / "r", layers=5)
+    rm = model_sizes(config(RMConfig, "--model.pretrain", str(policy)))
+    assert rm.actor.value_head and rm.ref is None
+    dpo_cfg = config(DPOConfig, "--model.pretrain", str(policy), "--ref.pretrain", str(ref))
+    plan = make_offline_plan(dpo_cfg, CPU, with_ref=True, sizes=model_sizes(dpo_cfg))
+    assert plan.group("ref").params == model_shape(ref).params > plan.group("model").params
+    assert make_offline_plan(dpo_cfg, CPU, with_ref=True).group("ref").params == plan.group("ref").params
+
+
+def test_activation_formula():
+    shape = dataclasses.replace(MID, value_head=True)  # no logits term
+    sbh = 100 * 2 * 1024
+    assert activation_bytes(shape, 100, 2, trains=True, checkpointing=False, bits16=True) == 34 * sbh * 8
+    assert (
+        activation_bytes(shape, 100, 2, trains=True, checkpointing=True, bits16=True)
+        == 2 * sbh * 8 + 34 * sbh
+    )
+    assert activation_bytes(shape, 100, 2, trains=False, checkpointing=False, bits16=True) == 34 * sbh
+    assert activation_bytes(shape, 100, 2, trains=False, checkpointing=False, bits16=False) == 2 * 34 * sbh
+    logits = activation_bytes(MID, 100, 2, trains=False, checkpointing=False, bits16=True) - 34 * sbh
+    assert logits == 4 * 100 * 2 * MID.vocab
+
+
+def _actor_activations(*flags: str) -> float:
+    plan = make_plan(ppo(*flags), gpu(None), sizes=ModelSizes(actor=MID))
+    return plan.group("actor").parts["activations"]
+
+
+def test_gpu_activations_scale_with_micro_batch_and_length_and_drop_with_checkpointing():
+    base = _actor_activations("--train.micro_batch_size", "4", "--vllm.max_model_len", "256")
+    assert _actor_activations(
+        "--train.micro_batch_size", "8", "--vllm.max_model_len", "256"
+    ) == pytest.approx(2 * base)
+    assert _actor_activations(
+        "--train.micro_batch_size", "4", "--vllm.max_model_len", "512"
+    ) == pytest.approx(2 * base)
+    gc = _actor_activations("--train.micro_batch_size", "4", "--vllm.max_model_len", "256",
+                            "--actor.model.gradient_checkpointing", "true")  # fmt: skip
+    assert gc < base / 2
+    assert "activations" not in make_plan(ppo(), CPU, sizes=ModelSizes(actor=MID)).group("actor").parts
+
+
+def test_offline_gpu_activations_use_data_max_len_and_pairs():
+    sizes = ModelSizes(actor=MID)
+    sft = make_offline_plan(config(SFTConfig), gpu(None), with_ref=False, sizes=sizes)
+    dpo = make_offline_plan(config(DPOConfig), gpu(None, gpus=2), with_ref=True, sizes=sizes)
+    assert dpo.group("model").parts["activations"] == pytest.approx(
+        2 * sft.group("model").parts["activations"]
+    )
+    assert dpo.group("ref").parts["activations"] < dpo.group("model").parts["activations"]
+    longer = config(SFTConfig, "--data.max_len", "1024")
+    act = (
+        make_offline_plan(longer, gpu(None), with_ref=False, sizes=sizes).group("model").parts["activations"]
+    )
+    assert act == pytest.approx(2 * sft.group("model").parts["activations"])
+
+
+def test_learners_that_exceed_the_gpu_are_refused_naming_group_and_flags():
+    with pytest.raises(ConfigError) as err:
+        make_offline_plan(config(SFTConfig), gpu(1.0), with_ref=False, sizes=ModelSizes(actor=MID))
+    msg = str(err.value)
+    assert "\n" not in msg and "1 x model" in msg and "the device has 1.00 GiB" in msg
+    for flag in ("--ds.zero_stage", "--train.micro_batch_size", "--model.options.gradient_checkpointing"):
+        assert flag in msg
+    big = dataclasses.replace(MID, params=7_000_000_000)  # 7B in fp32 with Adam: > 80 GiB on one rank
+    with pytest.raises(ConfigError, match=r"1 x actor .* the device has 80\.00 GiB"):
+        make_plan(ppo(), gpu(80.0), sizes=ModelSizes(actor=big))
+
+
+def test_engine_weights_that_leave_no_kv_cache_are_refused():
+    with pytest.raises(ConfigError, match=r"--vllm.gpu_memory_utilization 0\.1 x 1\.00 GiB") as err:
+        make_plan(ppo("--vllm.gpu_memory_utilization", "0.1"), gpu(1.0, gpus=2), sizes=ModelSizes(actor=MID))
+    assert "engines:" in str(err.value) and "--vllm.max_model_len 512" in str(err.value)
+
+
+def test_two_half_gpu_processes_on_one_gpu_add_up():
+    cfg = ppo("--ray.gpus_per_worker", "0.5", "--vllm.gpu_memory_utilization", "0.5")
+    actor = make_plan(cfg, gpu(None, gpus=1), sizes=ModelSizes(actor=MID)).group("actor").memory_gib
+    device = actor / 0.75  # the actor alone fits, and so does the engine's half; together they do not
+    with pytest.raises(ConfigError) as err:
+        make_plan(cfg, gpu(device, gpus=1), sizes=ModelSizes(actor=MID))
+    msg = str(err.value)
+    assert "1 x actor" in msg and "1 x engines" in msg and "on one GPU" in msg
+    assert "--ray.gpus_per_worker" in msg and "--vllm.gpu_memory_utilization" in msg
+    plan = make_plan(
+        ppo("--vllm.gpu_memory_utilization", "0.5"), gpu(device, gpus=2), sizes=ModelSizes(actor=MID)
+    )
+    engines = plan.group("engines")  # one GPU each: both fit
+    assert engines.memory_gib == pytest.approx(0.5 * device) and engines.parts["KV"] > 0
+
+
+def test_cpu_plans_are_never_refused_for_memory():
+    huge = dataclasses.replace(MID, params=70_000_000_000)
+    cpu_with_memory = dataclasses.replace(CPU, gpu_memory_gib=1.0)
+    plan = make_plan(ppo(), cpu_with_memory, sizes=ModelSizes(actor=huge))
+    assert plan.group("actor").memory_gib > 100 and plan.notes == []
+
+
+def test_render_shows_the_parts():
+    plan = make_plan(ppo("--ray.gpus_per_worker", "0.5"), gpu(140.0, gpus=1), sizes=ModelSizes(actor=MID))
+    out = plan.render()
+    actor_line = next(line for line in out.splitlines() if line.startswith("actor "))
+    assert "weights" in actor_line and "grads+optimizer" in actor_line and "activations" in actor_line
+    engines_line = next(line for line in out.splitlines() if line.startswith("engines "))
+    assert "weights" in engines_line and "KV" in engines_line and "GPU: 0.5" in engines_line
+    assert "device memory: 140.00 GiB per GPU" in out and "over cuda_ipc" in out
+    unknown = make_plan(ppo(), gpu(None), sizes=ModelSizes(actor=MID)).render()
+    assert "KV: the rest of 0.5 of the device" in unknown
+
+
+def test_lora_trains_only_adapters_so_no_full_optimizer_state():
+    full = make_plan(ppo(), gpu(None), sizes=ModelSizes(actor=MID)).group("actor")
+    lora = make_plan(ppo("--actor.lora.rank", "8"), gpu(None), sizes=ModelSizes(actor=MID)).group("actor")
+    assert full.parts["grads+optimizer"] > 0 and lora.parts["grads+optimizer"] == 0
+    assert (
+        lora.parts["weights"] == full.parts["weights"]
+        and lora.parts["activations"] == full.parts["activations"]
+    )
+    sft = make_offline_plan(
+        config(SFTConfig, "--lora.rank", "8"), CPU, with_ref=False, sizes=ModelSizes(actor=MID)
+    )
+    assert sft.group("model").parts["grads+optimizer"] == 0 and "LoRA" in sft.group("model").note
