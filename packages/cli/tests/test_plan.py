@@ -8,15 +8,8 @@ import dataclasses
 import pytest
 from rlhf_cli.config import ConfigError, DPOConfig, PPOConfig, RMConfig, SFTConfig
 from rlhf_cli.runtime.cluster import ClusterResources
-from rlhf_cli.runtime.placement import (
-    ModelShape,
-    ModelSizes,
-    activation_bytes,
-    make_offline_plan,
-    make_plan,
-    model_shape,
-    model_sizes,
-)
+from rlhf_cli.runtime.model_sizes import ModelShape, ModelSizes, activation_bytes, model_shape, model_sizes
+from rlhf_cli.runtime.placement import make_offline_plan, make_plan
 
 CPU = ClusterResources(cpus=16, gpus=0, nodes=1, node_ips=("127.0.0.1",))
 GIB = 2**30
@@ -232,3 +225,12 @@ def test_lora_trains_only_adapters_so_no_full_optimizer_state():
         config(SFTConfig, "--lora.rank", "8"), CPU, with_ref=False, sizes=ModelSizes(actor=MID)
     )
     assert sft.group("model").parts["grads+optimizer"] == 0 and "LoRA" in sft.group("model").note
+
+
+def test_qlora_needs_gpus():
+    flags = {"actor": {"lora": {"rank": 8, "load_in_4bit": True}}}
+    with pytest.raises(ConfigError, match=r"--actor.lora.load_in_4bit: 4-bit base weights .* need CUDA GPUs"):
+        make_plan(PPOConfig.model_validate(flags), CPU)
+    sft = SFTConfig.model_validate({"lora": {"rank": 8, "load_in_4bit": True}})
+    with pytest.raises(ConfigError, match=r"--lora.load_in_4bit"):
+        make_offline_plan(sft, CPU, with_ref=False)

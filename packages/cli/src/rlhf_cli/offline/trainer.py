@@ -18,6 +18,7 @@ from rlhf_cli.demo import task
 from rlhf_cli.runtime.checkpoint import RunState
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups
+from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_offline_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
 from rlhf_cli.runtime.specs import GroupSpec, Role, group_strategy
@@ -83,8 +84,8 @@ class Objective(Protocol[E]):
         ...
 
 
-def _plan_for(cfg: OfflineConfig, with_ref: bool, resources: ClusterResources, num_params: int) -> Plan:
-    return make_offline_plan(cfg, resources, num_params=num_params, with_ref=with_ref)
+def _plan_for(cfg: OfflineConfig, with_ref: bool, resources: ClusterResources, sizes: ModelSizes) -> Plan:
+    return make_offline_plan(cfg, resources, with_ref=with_ref, sizes=sizes)
 
 
 def offline_plan(cfg: OfflineConfig, *, with_ref: bool) -> Plan:

@@ -21,6 +21,7 @@ from rlhf_cli.ppo.sources import executor_factory
 from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.checkpoint import RESUMABLE_CHANGES, RunState
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
 from rlhf_rollout import EngineClient
@@ -45,8 +46,8 @@ def plan(cfg: PPOConfig) -> Plan:
     return dry_run_plan(cfg, cfg.actor.pretrain, functools.partial(_plan_for, cfg))
 
 
-def _plan_for(cfg: PPOConfig, resources: ClusterResources, num_params: int) -> Plan:
-    return make_plan(cfg, resources, num_params=num_params)
+def _plan_for(cfg: PPOConfig, resources: ClusterResources, sizes: ModelSizes) -> Plan:
+    return make_plan(cfg, resources, sizes=sizes)
 
 
 def _start(

@@ -25,14 +25,15 @@ from rlhf_cli.runtime.checkpoint import (
     save_checkpoint,
 )
 from rlhf_cli.runtime.cluster import ClusterResources, local_resources, start_ray
-from rlhf_cli.runtime.placement import Plan, count_params
+from rlhf_cli.runtime.model_sizes import ModelSizes, model_sizes
+from rlhf_cli.runtime.placement import Plan
 from rlhf_cli.runtime.session import RunSession, run_session
 from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker
 
 __all__ = ["EvalSchedule", "PlanFn", "Run", "RunSetup", "dry_run_plan", "prepare_run", "resolve_model"]
 
-PlanFn = Callable[[ClusterResources, int], Plan]
-"""``(resources, num_params) -> Plan``: a command's placement plan (raises ConfigError if it cannot fit)."""
+PlanFn = Callable[[ClusterResources, ModelSizes], Plan]
+"""``(resources, sizes) -> Plan``: a command's placement plan (raises ConfigError if it cannot fit)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,15 +62,12 @@ def resolve_model(pretrain: Path | str | None, run_dir: Path) -> Path:
     return build_demo_model(run_dir / "base_model")
 
 
-def _num_params(pretrain: Path | str | None) -> int:
-    if pretrain is None:
-        from rlhf_cli.demo.task import demo_num_params
+def _sizes(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None) -> ModelSizes:
+    if pretrain is not None:
+        from rlhf_learner.models import check_model_dir
 
-        return demo_num_params()
-    from rlhf_learner.models import check_model_dir
-
-    check_model_dir(pretrain)
-    return count_params(Path(pretrain))
+        check_model_dir(pretrain)
+    return model_sizes(cfg)
 
 
 def _joins_cluster(cfg: PPOConfig | OfflineConfig) -> bool:
@@ -79,7 +77,7 @@ def _joins_cluster(cfg: PPOConfig | OfflineConfig) -> bool:
 def dry_run_plan(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None, plan_for: PlanFn) -> Plan:
     """``--dry-run``: the plan against the local machine, or the joined cluster's resources."""
     resources = start_ray(cfg)[0] if _joins_cluster(cfg) else local_resources(cfg)
-    return plan_for(resources, _num_params(pretrain))
+    return plan_for(resources, _sizes(cfg, pretrain))
 
 
 @dataclass(kw_only=True)
@@ -147,9 +145,9 @@ class RunSetup:
     @contextlib.contextmanager
     def start(self) -> Iterator[Run]:
         """Hold the run's Ray session for the body; the plan is made against the cluster's resources."""
-        num_params = count_params(self.model_dir)
+        sizes = model_sizes(self.cfg, self.model_dir)
         with run_session(self.cfg) as session:
-            plan = self.plan_for(session.resources, num_params)
+            plan = self.plan_for(session.resources, sizes)
             yield Run(
                 cfg=self.cfg,
                 run_dir=self.run_dir,
@@ -180,5 +178,5 @@ def prepare_run(
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     model_dir = resolve_model(pretrain, run_dir)
     if not _joins_cluster(cfg):
-        plan_for(local_resources(cfg), count_params(model_dir))  # a plan that cannot fit fails first
+        plan_for(local_resources(cfg), model_sizes(cfg, model_dir))  # a plan that cannot fit fails first
     return RunSetup(cfg=cfg, run_dir=run_dir, model_dir=model_dir, resume_from=found, plan_for=plan_for)

@@ -1,0 +1,132 @@
+"""How big each group's model is, as the memory estimate needs it: parameters, widths and layers from a
+folder's config (built on the meta device: nothing is loaded), and the activation memory of a micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
+
+__all__ = ["ModelShape", "ModelSizes", "activation_bytes", "count_params", "model_shape", "model_sizes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """One model as the memory estimate needs it: parameters, hidden size h, layers L, vocabulary v, K width
+    per layer and token (num_key_value_heads x head_dim), and whether a scalar value head replaces the LM
+    head (critic, reward model)."""
+
+    params: int
+    hidden: int
+    layers: int
+    vocab: int
+    kv_dim: int
+    value_head: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """Each group's own model; ``of`` gives the actor's (offline: the trained model's) for an unset one
+    and for ``model`` and ``engines``."""
+
+    actor: ModelShape
+    critic: ModelShape | None = None
+    ref: ModelShape | None = None
+    reward: ModelShape | None = None
+
+    def of(self, group: str) -> ModelShape:
+        return getattr(self, group, None) or self.actor
+
+
+def _meta_params(config: Any, *, value_head: bool) -> int:
+    """Parameters of ``config``'s model built on the meta device (nothing allocated): the causal LM (a
+    tied head counted once), or with ``value_head`` the backbone (``AutoModel``) plus a 1-row scalar
+    head of ``hidden_size`` weights, as ``*ForSequenceClassification`` with one label has it."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = (AutoModel if value_head else AutoModelForCausalLM).from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    return n + (config.get_text_config().hidden_size if value_head else 0)
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters of a Hugging Face folder as a causal LM, from its config on the meta device."""
+    return model_shape(model_dir, flag="the model folder").params
+
+
+def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
+    """A ``ModelShape`` from a text config (or a ``TinyModelSpec``: the same field names)."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_dim = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    dims = {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "vocab": text.vocab_size}
+    return ModelShape(params=params, kv_dim=kv_dim, value_head=value_head, **dims)
+
+
+def model_shape(
+    model_dir: Path | str | None, *, value_head: bool = False, flag: str = "--actor.pretrain"
+) -> ModelShape:
+    """A Hugging Face folder's shape from ``AutoConfig`` (``value_head``: see ``_meta_params``; ``flag``
+    names the folder when it has no config.json). ``None``: the built-in demo model, from ``DEMO_MODEL``
+    and ``demo_num_params()`` (tied embeddings: a value head adds h)."""
+    if model_dir is None:
+        from rlhf_cli.demo.task import DEMO_MODEL, demo_num_params
+        from rlhf_cli.demo.tiny_model import TinyModelSpec
+
+        spec = TinyModelSpec(**DEMO_MODEL)
+        return _shape(spec, demo_num_params() + (spec.hidden_size if value_head else 0), value_head)
+    from transformers import AutoConfig
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(f"{flag} {model_dir}: no config.json (not a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return _shape(config.get_text_config(), _meta_params(config, value_head=value_head), value_head)
+
+
+def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:
+    """Each group's model from its own folder flag, else the policy's: ``actor_dir`` when resolved (the
+    built demo), else ``--actor.pretrain`` / ``--model.pretrain`` (unset: the demo). The critic
+    (``--critic.pretrain``), the reward model (``--reward.pretrain``) and ``rlhf rm``'s model have value
+    heads; the reference is ``--ref.pretrain``."""
+    if not isinstance(cfg, PPOConfig):
+        policy = actor_dir if actor_dir is not None else cfg.model.pretrain
+        ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
+        return ModelSizes(
+            actor=model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain"),
+            ref=model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None,
+        )
+    policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
+    critic: ModelShape | None = None
+    ref: ModelShape | None = None
+    reward: ModelShape | None = None
+    if cfg.uses_critic:
+        flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
+        critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
+    if cfg.uses_reference and cfg.ref.pretrain:
+        ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
+    if cfg.reward.source == "model":
+        reward = model_shape(cfg.reward.pretrain, value_head=True, flag="--reward.pretrain")
+    return ModelSizes(actor=model_shape(policy), critic=critic, ref=ref, reward=reward)
+
+
+def activation_bytes(
+    shape: ModelShape, seq_len: int, rows: int, *, trains: bool, checkpointing: bool, bits16: bool
+) -> float:
+    """Peak activation memory (bytes) of one micro-batch of ``rows`` sequences of ``seq_len`` tokens.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), Sec. 4, without tensor / sequence parallelism, 16-bit activations: a transformer
+    layer stores ``s*b*h*(34 + 5*a*s/h)`` bytes; the attention-score term ``5as/h`` is dropped (sdpa /
+    flash attention never store the scores), leaving ``34*s*b*h`` per layer. Training keeps all L layers'
+    (``34*s*b*h*L``); with gradient checkpointing (full recomputation) only each layer's input,
+    ``2*s*b*h*L``, plus one layer's ``34*s*b*h`` while it is recomputed; a forward without gradients
+    (frozen groups) holds about one layer's ``34*s*b*h``. An LM head adds its fp32 logits ``4*s*b*v``
+    (the paper's output-layer term); a value head none. fp32 activations double the per-layer terms."""
+    sbh = seq_len * rows * shape.hidden * (1 if bits16 else 2)
+    kept = 0 if not trains else 2 if checkpointing else 34  # per layer, kept for the backward pass
+    working = 0 if trains and not checkpointing else 34  # the one layer being run (or recomputed)
+    body = (kept * shape.layers + working) * sbh
+    return float(body + (0 if shape.value_head else 4 * seq_len * rows * shape.vocab))
