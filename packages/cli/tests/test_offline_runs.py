@@ -327,3 +327,25 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
     assert next(model.parameters()).dtype == torch.bfloat16
     unsharded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one" / "final_model"))
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in unsharded.parameters())
+
+
+def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model_dir, data, tmp_path):
+    """--ds.sequence_parallel_size 2 (ring attention over gloo: each rank holds half of every sequence)
+    and --ds.tensor_parallel_size 2 (DeepSpeed AutoTP: each rank holds half of each split matrix) on two
+    ranks train exactly what one rank trains on the same batches."""
+    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "2"]
+    flags += ["--eval.every", "2", "--eval.max_samples", "6"]  # forwards on the blocks too
+    one = run(SFTConfig, "sft", tmp_path / "one", *flags)
+    sp = run(SFTConfig, "sft", tmp_path / "sp", *flags, "--model.num_devices_per_node", "2",
+             "--ds.sequence_parallel_size", "2")  # fmt: skip
+    tp = run(SFTConfig, "sft", tmp_path / "tp", *flags, "--model.num_devices_per_node", "2",
+             "--ds.tensor_parallel_size", "2", "--ds.zero_stage", "1")  # fmt: skip
+    for result in (sp, tp):
+        for key in ("train/loss", "eval/loss"):
+            got = [r[key] for r in rows(result.run_dir) if key in r]
+            assert got == pytest.approx([r[key] for r in rows(one.run_dir) if key in r], rel=1e-5), key
+    (whole,) = one.layouts["model"]
+    assert [(x.data_parallel_size, x.sequence_parallel_size) for x in sp.layouts["model"]] == [(1, 2)] * 2
+    assert all(x.attention == "rlhf_ring_attention" for x in sp.layouts["model"])
+    assert [(x.data_parallel_size, x.tensor_parallel_size) for x in tp.layouts["model"]] == [(1, 2)] * 2
+    assert all(x.local_params < whole.local_params * 0.8 for x in tp.layouts["model"])  # matrices split

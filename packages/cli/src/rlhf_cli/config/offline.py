@@ -13,7 +13,15 @@ from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
 
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.models import GroupShape, RefConfig
-from rlhf_cli.config.run import CkptConfig, ExportConfig, LoggerConfig, RayConfig, check_ds_fields
+from rlhf_cli.config.run import (
+    CkptConfig,
+    ExportConfig,
+    LoggerConfig,
+    RayConfig,
+    check_ds_fields,
+    check_split,
+    data_parallel_size,
+)
 
 __all__ = [
     "DPOConfig",
@@ -162,30 +170,41 @@ class OfflineConfig(Section):
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.train.batch_size // self.model.world_size // self.train.micro_batch_size
+        return (
+            self.train.batch_size
+            // data_parallel_size(self.model.world_size, self.ds)
+            // self.train.micro_batch_size
+        )
 
     @model_validator(mode="after")
     def _shared_checks(self) -> OfflineConfig:
         check_ds_fields(self.ds, {"lr": "--model.lr"})
-        ranks = self.model.world_size
-        per_rank, rest = divmod(self.train.batch_size, ranks)
-        if rest:
-            raise ValueError(
-                f"--train.batch_size {self.train.batch_size} cannot be split evenly over {ranks} "
-                "data-parallel ranks (--model.num_nodes x --model.num_devices_per_node)"
+        model = "model (--model.num_nodes x --model.num_devices_per_node)"
+        check_split(
+            self.train.batch_size,
+            "--train.batch_size",
+            self.model.world_size,
+            model,
+            self.ds,
+            self.train.micro_batch_size,
+        )
+        ref = getattr(self, "ref", None)
+        if ref is not None and not ref.precompute:
+            check_split(
+                self.train.batch_size, "--train.batch_size", ref.world_size, "reference", self.ds, None
             )
-        if per_rank % self.train.micro_batch_size:
+        if self.command == "rm" and (self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1):
             raise ValueError(
-                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the {per_rank} "
-                f"examples each of the {ranks} ranks trains on per step"
-            )
-        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
-            raise ValueError(
-                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by this command yet"
+                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: rlhf rm's reward model runs neither "
+                "(sequence and tensor parallelism are for policies and references)"
             )
         lora = getattr(self, "lora", None)
         if lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        if lora is not None and self.ds.tensor_parallel_size > 1:
+            raise ValueError(
+                "--lora with --ds.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
+            )
         return self
 
 

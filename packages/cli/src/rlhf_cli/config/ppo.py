@@ -21,6 +21,8 @@ from rlhf_cli.config.run import (
     RayConfig,
     TrainConfig,
     check_ds_fields,
+    check_split,
+    data_parallel_size,
 )
 
 __all__ = ["PPOConfig"]
@@ -73,7 +75,11 @@ class PPOConfig(Section):
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.samples_per_step // self.actor.world_size // self.train.micro_batch_size
+        return (
+            self.samples_per_step
+            // data_parallel_size(self.actor.world_size, self.ds)
+            // self.train.micro_batch_size
+        )
 
     @model_validator(mode="after")
     def _algorithm(self) -> PPOConfig:
@@ -120,30 +126,16 @@ class PPOConfig(Section):
     def _batches(self) -> PPOConfig:
         """Each group's ranks get equal shards that the micro-batch size divides."""
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
-        ranks = self.actor.world_size
-        per_rank, rest = divmod(self.samples_per_step, ranks)
-        if rest:
-            raise ValueError(
-                f"--rollout.batch_size x --rollout.n_samples_per_prompt = {self.samples_per_step} samples "
-                f"cannot be split evenly over the actor's {ranks} data-parallel ranks"
-            )
-        if per_rank % self.train.micro_batch_size:
-            raise ValueError(
-                f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
-                f"{per_rank} samples each of the actor's {ranks} ranks trains on per step"
-            )
+        what, n, m = (
+            "--rollout.batch_size x --rollout.n_samples_per_prompt",
+            self.samples_per_step,
+            self.train.micro_batch_size,
+        )
+        check_split(n, what, self.actor.world_size, "actor", self.ds, m)
         if self.uses_critic:
-            c_ranks = self.critic.world_size
-            if self.samples_per_step % c_ranks:
-                raise ValueError(
-                    f"{self.samples_per_step} samples per step cannot be split evenly over the critic's "
-                    f"{c_ranks} ranks (--critic.num_nodes x --critic.num_devices_per_node)"
-                )
-            if (self.samples_per_step // c_ranks) % self.train.micro_batch_size:
-                raise ValueError(
-                    f"--train.micro_batch_size {self.train.micro_batch_size} does not divide the "
-                    f"{self.samples_per_step // c_ranks} samples each of the critic's {c_ranks} ranks trains on"
-                )
+            check_split(n, what, self.critic.world_size, "critic", self.ds, m)
+        if self.uses_reference:
+            check_split(n, what, self.ref.world_size, "reference", self.ds, None)
         return self
 
     @model_validator(mode="after")
@@ -172,9 +164,16 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _parallelism(self) -> PPOConfig:
         """Parallelism options the groups and engines can run."""
-        if self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1:
+        split = self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1
+        if split and (self.uses_critic or self.reward.source == "model"):
             raise ValueError(
-                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: not supported by rlhf ppo yet"
+                "--ds.sequence_parallel_size / --ds.tensor_parallel_size apply to the actor and reference; "
+                "the critic and the reward model run neither: use an estimator without a critic and a reward "
+                "function or endpoint"
+            )
+        if self.actor.lora is not None and self.ds.tensor_parallel_size > 1:
+            raise ValueError(
+                "--actor.lora with --ds.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
             )
         if self.actor.lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")

@@ -22,6 +22,8 @@ __all__ = [
     "RayConfig",
     "TrainConfig",
     "check_ds_fields",
+    "check_split",
+    "data_parallel_size",
 ]
 
 DS_FIELDS_SET_ELSEWHERE = {
@@ -40,6 +42,39 @@ def check_ds_fields(ds: StrategyOptions, overrides: dict[str, str]) -> None:
     for f in fields(StrategyOptions):
         if f.name in where and getattr(ds, f.name) != getattr(default, f.name):
             raise ValueError(f"--ds.{f.name}: set it with {where[f.name]}")
+
+
+def data_parallel_size(world: int, ds: StrategyOptions) -> int:
+    """Distinct data shards of a group of ``world`` ranks: blocks of ``--ds.sequence_parallel_size x
+    --ds.tensor_parallel_size`` consecutive ranks share one (they split each sequence or each matrix)."""
+    return world // (ds.sequence_parallel_size * ds.tensor_parallel_size)
+
+
+def check_split(
+    items: int, what: str, world: int, group: str, ds: StrategyOptions, micro_batch_size: int
+) -> None:
+    """``items`` per step split evenly over ``group``'s data-parallel ranks, in micro-batches: or a
+    one-line error naming the flags."""
+    block = ds.sequence_parallel_size * ds.tensor_parallel_size
+    if world % block:
+        raise ValueError(
+            f"the {group}'s {world} ranks cannot form blocks of --ds.sequence_parallel_size x "
+            f"--ds.tensor_parallel_size = {block}"
+        )
+    if micro_batch_size is None:
+        return
+    dp = world // block
+    per_rank, rest = divmod(items, dp)
+    if rest:
+        raise ValueError(
+            f"{what} = {items} cannot be split evenly over the {group}'s {dp} data-parallel ranks"
+        )
+    if per_rank % micro_batch_size:
+        raise ValueError(
+            f"--train.micro_batch_size {micro_batch_size} does not divide the {per_rank} "
+            f"{'samples' if 'sample' in what else 'examples'} each of the {group}'s {dp} data-parallel ranks "
+            "trains on per step"
+        )
 
 
 class TrainConfig(Section):

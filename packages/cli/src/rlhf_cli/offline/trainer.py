@@ -21,7 +21,7 @@ from rlhf_cli.runtime.group import LearnerGroup, launch_groups
 from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_offline_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
-from rlhf_cli.runtime.specs import GroupSpec, Role, group_strategy
+from rlhf_cli.runtime.specs import GroupSpec, RankLayout, Role, group_strategy
 from rlhf_cli.runtime.tracking import Display
 
 __all__ = [
@@ -45,6 +45,8 @@ class OfflineResult:
     """The LoRA adapter alone (``final_adapter``), when the run trained one."""
     history: list[dict]
     summary: str
+    layouts: dict[str, list[RankLayout]]
+    """How each group's ranks held their model (data, sequence and tensor parallelism)."""
 
 
 @dataclass(kw_only=True)
@@ -202,6 +204,7 @@ def run_command(
     )
     with setup.start() as r:
         groups = _start_groups(cfg, r, role=role)
+        layouts = {"model": groups.model.layouts()}
         objective = make_objective(groups)
         state = r.resume({"model": groups.model}, RunState(cursor=PromptCursor()))
         train_items, eval_items = objective.prepare(train_items, eval_items)
@@ -225,16 +228,20 @@ def run_command(
 
         # ---- clean-up ---------------------------------------------------------------------------
         objective.finish(train_items)
-        final, adapter = r.run_dir / "final_model", r.run_dir / "final_adapter"
-        groups.model.export(
-            directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options()
-        )
-        has_adapter = groups.model.export_adapter(directory=str(adapter))
-        summary = tracker.close()
-        return OfflineResult(
-            run_dir=r.run_dir,
-            final_model=final,
-            adapter=adapter if has_adapter else None,
-            history=tracker.history,
-            summary=summary,
-        )
+        return _export(cfg, r, groups.model, tracker, layouts)
+
+
+def _export(cfg: OfflineConfig, r: Run, model: LearnerGroup, tracker: Any, layouts: dict) -> OfflineResult:
+    """The final model (and the LoRA adapter alone, when there is one), the curve and the summary."""
+    final, adapter = r.run_dir / "final_model", r.run_dir / "final_adapter"
+    model.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
+    has_adapter = model.export_adapter(directory=str(adapter))
+    summary = tracker.close()
+    return OfflineResult(
+        run_dir=r.run_dir,
+        final_model=final,
+        adapter=adapter if has_adapter else None,
+        history=tracker.history,
+        summary=summary,
+        layouts=layouts,
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
+from rlhf_cli.config.run import data_parallel_size
 from rlhf_cli.runtime.cluster import PlacementGroups
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
 from rlhf_cli.runtime.placement import Plan
@@ -40,6 +41,11 @@ class Components:
     engines: EngineClient
     sync: EngineWeightSync
 
+    def groups(self) -> dict[str, LearnerGroup]:
+        """Every running learner group by role."""
+        named = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward", self.reward))
+        return {k: g for k, g in named if g is not None}
+
     def learner_groups(self) -> dict[str, LearnerGroup]:
         """The groups whose state a checkpoint holds (the trained ones)."""
         return {k: g for k, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
@@ -49,7 +55,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
     """One spec per group the plan places."""
 
     def strategy(lr: float, world: int, *, frozen: bool = False) -> Any:
-        per_rank = cfg.samples_per_step // world // cfg.train.micro_batch_size
+        per_rank = cfg.samples_per_step // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
         return group_strategy(
             cfg.ds,
             lr=lr,

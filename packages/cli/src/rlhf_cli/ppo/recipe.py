@@ -24,6 +24,7 @@ from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_cli.runtime.specs import RankLayout
 from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
@@ -39,6 +40,8 @@ class PPOResult:
     final_model: Path
     history: list[dict]
     summary: str
+    layouts: dict[str, list[RankLayout]]
+    """How each learner group's ranks held their model (data, sequence and tensor parallelism)."""
 
 
 def plan(cfg: PPOConfig) -> Plan:
@@ -119,4 +122,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         final = r.run_dir / "final_model"
         c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
         summary = tracker.close()
-        return PPOResult(run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary)
+        layouts = {name: g.layouts() for name, g in c.groups().items()}
+        return PPOResult(
+            run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary, layouts=layouts
+        )

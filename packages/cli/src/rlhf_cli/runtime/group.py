@@ -18,6 +18,7 @@ from rlhf_cli.runtime.specs import (
     GroupSpec,
     KTOSettings,
     PolicyLossSettings,
+    RankLayout,
     ValueLossSettings,
 )
 from rlhf_cli.runtime.worker import LearnerWorker
@@ -84,11 +85,26 @@ class LearnerGroup:
         """``call(worker)`` on every rank at once; every rank's result, in rank order."""
         return self._get([call(w) for w in self.workers])
 
+    @property
+    def block(self) -> int:
+        """Ranks that share one data shard: ``sequence_parallel_size x tensor_parallel_size`` consecutive
+        ranks split each sequence (ring attention) or each weight matrix (AutoTP) between them."""
+        o = self.spec.strategy
+        return o.sequence_parallel_size * o.tensor_parallel_size
+
     def shards(self, items: Sequence[T]) -> list[list[T]]:
-        """``items`` cut into ``world_size`` contiguous shards (as equal as possible)."""
-        n, k = len(items), len(self.workers)
-        bounds = [n * r // k for r in range(k + 1)]
-        return [list(items[bounds[r] : bounds[r + 1]]) for r in range(k)]
+        """``items`` cut into one contiguous shard per data-parallel rank (as equal as possible), repeated
+        for each rank of a block: the list has one entry per rank."""
+        n, k = len(items), len(self.workers) // self.block
+        bounds = [n * d // k for d in range(k + 1)]
+        return [
+            list(items[bounds[r // self.block] : bounds[r // self.block + 1]])
+            for r in range(len(self.workers))
+        ]
+
+    def layouts(self) -> list[RankLayout]:
+        """How each rank holds its model, in rank order."""
+        return self._all(lambda w: w.layout.remote())
 
     # --- inference -------------------------------------------------------------------------------
     def forward(
@@ -124,8 +140,10 @@ class LearnerGroup:
             if masks:
                 a["masks"] = [m for _, m in padded]
             refs.append(call(w, a))
-        parts = self._get(refs)
-        return [x for part, shard in zip(parts, shards, strict=True) for x in part[: len(shard)]]
+        parts = self._get(refs)[:: self.block]  # every rank of a block returns the same (whole) results
+        return [
+            x for part, shard in zip(parts, shards[:: self.block], strict=True) for x in part[: len(shard)]
+        ]
 
     # --- updates: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result ---------
     def _step(self, per_rank: Sequence[list[Any]], call: Call) -> StepResult:

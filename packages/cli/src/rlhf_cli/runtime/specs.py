@@ -14,6 +14,7 @@ __all__ = [
     "GroupSpec",
     "KTOSettings",
     "PolicyLossSettings",
+    "RankLayout",
     "Role",
     "ValueLossSettings",
     "group_strategy",
@@ -67,6 +68,23 @@ class PolicyLossSettings:
 class ValueLossSettings:
     clip_eps: float | None
     """Value clipping around the old values (None: off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """How one rank holds its model: its data shard, the blocks it splits work with, what it stores."""
+
+    rank: int
+    data_parallel_rank: int
+    data_parallel_size: int
+    sequence_parallel_size: int
+    """Ranks that split each sequence (ring attention), 1: off."""
+    tensor_parallel_size: int
+    """Ranks that split each weight matrix (DeepSpeed AutoTP), 1: off."""
+    attention: str
+    """The transformers attention implementation the model runs."""
+    local_params: int
+    """Parameter elements this rank stores (less than the model's with tensor parallelism or ZeRO-3)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from rlhf_cli.runtime.specs import (
     GroupSpec,
     KTOSettings,
     PolicyLossSettings,
+    RankLayout,
     ValueLossSettings,
 )
 from rlhf_learner import (
@@ -29,19 +30,22 @@ from rlhf_learner import (
 __all__ = ["LearnerWorker", "build_model"]
 
 
-def build_model(spec: GroupSpec, ds_config: dict) -> torch.nn.Module:
-    """The module of ``spec.role``: an ``Actor`` (with LoRA when set), a reference, a critic or a reward
-    model (frozen unless it trains)."""
-    from rlhf_learner import Actor, apply_lora, load_causal_lm, load_critic, load_reference, load_reward_model
+def build_model(spec: GroupSpec, ds_config: dict, sp_group: Any = None) -> torch.nn.Module:
+    """The module of ``spec.role``: an ``Actor`` (with LoRA, or QLoRA, when set), a reference, a critic or
+    a reward model (frozen unless it trains). ``sp_group``: the rank's sequence-parallel group (actor and
+    reference only; None without sequence parallelism)."""
+    from rlhf_learner import Actor, load_causal_lm, load_critic, load_reference, load_reward_model
 
     if spec.role == "actor":
-        lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config)
-        if spec.lora is not None:
-            lm = apply_lora(lm, spec.lora)
-        return Actor(lm, temperature=spec.temperature)
+        lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config, lora=spec.lora)
+        return Actor(lm, temperature=spec.temperature, sequence_parallel_group=sp_group)
     if spec.role == "ref":
         return load_reference(
-            spec.model_path, options=spec.model, ds_config=ds_config, temperature=spec.temperature
+            spec.model_path,
+            options=spec.model,
+            ds_config=ds_config,
+            temperature=spec.temperature,
+            sequence_parallel_group=sp_group,
         )
     if spec.role == "critic":
         return load_critic(spec.model_path, options=spec.model, ds_config=ds_config)
@@ -76,9 +80,25 @@ class LearnerWorker:
         self.strategy.setup_distributed(
             rank=self.rank, world_size=spec.world_size, master_addr=master_addr, master_port=master_port
         )
-        model = build_model(spec, self.strategy.ds_config(train=spec.trained))
+        sp_group = self.strategy.sequence_parallel_group if spec.role in ("actor", "ref") else None
+        model = build_model(spec, self.strategy.ds_config(train=spec.trained), sp_group)
         self.engine = self.strategy.prepare(model, train=spec.trained)
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+
+    def layout(self) -> RankLayout:
+        """How this rank holds its model (see ``RankLayout``)."""
+        from rlhf_learner.strategy import unwrap_hf_model
+
+        o, hf = self.strategy.options, unwrap_hf_model(self.engine.module)
+        return RankLayout(
+            rank=self.rank,
+            data_parallel_rank=self.strategy.data_parallel_rank,
+            data_parallel_size=self.strategy.data_parallel_size,
+            sequence_parallel_size=o.sequence_parallel_size,
+            tensor_parallel_size=o.tensor_parallel_size,
+            attention=str(getattr(hf.config, "_attn_implementation", "")),
+            local_params=sum(p.numel() for p in self.engine.module.parameters()),
+        )
 
     # --- inference -------------------------------------------------------------------------------
     @torch.no_grad()
