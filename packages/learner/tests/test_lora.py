@@ -92,3 +92,132 @@ def test_lora_is_refused_under_autotp(dist_single, tiny_model_dir):
     model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=4))
     with pytest.raises(ValueError, match=r"^tensor_parallel_size > 1 with a LoRA model"):
         Strategy(StrategyOptions(zero_stage=1, tensor_parallel_size=2)).prepare(Actor(model))
+
+
+# --- QLoRA merge: names, key filters, delta formula; the merge itself with a stand-in for bitsandbytes ---
+
+
+def test_qlora_merge_maps_peft_names_to_the_base_models_and_drops_adapter_and_quant_state_keys():
+    from rlhf_learner.qlora_merge import is_adapter_key, is_quant_state_key, plain_name, plain_state
+
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert plain_name(f"{layer}.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert plain_name(f"{layer}.base_layer.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert plain_name(f"{layer}.base_layer") == "model.layers.0.self_attn.q_proj"  # a module name
+    assert plain_name("base_model.model.lm_head.weight") == "lm_head.weight"
+    assert plain_name("model.norm.weight") == "model.norm.weight"  # already plain
+    assert is_adapter_key(f"{layer}.lora_A.default.weight") and is_adapter_key(f"{layer}.lora_B.default.weight")
+    assert not is_adapter_key(f"{layer}.base_layer.weight")
+    quant_state = [
+        f"{layer}.base_layer.weight.{k}"
+        for k in ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4")
+    ]
+    assert all(is_quant_state_key(k) for k in quant_state)
+    assert not is_quant_state_key(f"{layer}.base_layer.weight") and not is_quant_state_key("model.absmax.weight")
+    t = torch.zeros(1)
+    state = {
+        f"{layer}.base_layer.weight": t,
+        f"{layer}.base_layer.bias": t,
+        f"{layer}.lora_A.default.weight": t,
+        f"{layer}.lora_B.default.weight": t,
+        "base_model.model.model.embed_tokens.weight": t,
+        **dict.fromkeys(quant_state, t),
+    }
+    assert list(plain_state(state)) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.embed_tokens.weight",
+    ]
+    with pytest.raises(ValueError, match=r"^load_in_4bit: two tensors .* 'model.norm.weight'$"):
+        plain_state({"base_model.model.model.norm.weight": t, "model.norm.weight": t})
+
+
+def test_lora_delta_is_peft_get_delta_weight(tiny_model_dir):
+    from rlhf_learner.qlora_merge import lora_delta
+
+    model = apply_lora(load_causal_lm(tiny_model_dir), LoraOptions(rank=4, alpha=12.0))
+    layer = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    got = lora_delta(b, a, layer.scaling["default"])
+    torch.testing.assert_close(got, layer.get_delta_weight("default"), atol=1e-6, rtol=1e-6)
+    assert layer.scaling["default"] == 3.0
+    torch.testing.assert_close(lora_delta(b, a, 3.0, fan_in_fan_out=True), got.T)
+
+
+class Params4bit(torch.nn.Parameter):
+    """Named as bitsandbytes' 4-bit parameter class (the merge recognises 4-bit weights by that name);
+    its ``quant_state`` is the bf16 weight the stand-in ``dequantize_4bit`` returns."""
+
+
+def _fake_4bit(peft_model) -> None:
+    """Replace every linear weight but the output head by packed bytes + a ``quant_state``, as
+    ``bnb.nn.Linear4bit`` holds them (in place)."""
+    for name, mod in list(peft_model.named_modules()):
+        if type(mod) is not torch.nn.Linear or ".lora_" in name or name.endswith("lm_head"):
+            continue
+        w = mod.weight.detach()
+        packed = Params4bit(torch.zeros(w.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+        packed.quant_state = w.to(torch.bfloat16)
+        mod.weight, mod.compute_dtype = packed, torch.bfloat16
+    peft_model.get_base_model().is_loaded_in_4bit = True
+
+
+def _stand_in_bitsandbytes(monkeypatch) -> None:
+    import sys
+    import types
+
+    bnb, functional = types.ModuleType("bitsandbytes"), types.ModuleType("bitsandbytes.functional")
+    functional.dequantize_4bit = lambda data, quant_state: quant_state  # noqa: ARG005
+    bnb.functional = functional
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", functional)
+
+
+def test_4bit_merge_dequantizes_adds_the_delta_and_exports_a_plain_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """Without a GPU: a stand-in ``dequantize_4bit``, 4-bit layers with and without adapters, against
+    peft's own merge of the same (bf16-rounded) weights."""
+    import copy
+    import json
+
+    from rlhf_learner.lora import merged_state_dict
+
+    base = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():  # bf16 base weights, as a QLoRA base is loaded
+        for p in base.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model = apply_lora(base, LoraOptions(rank=4, alpha=8.0, target_modules=["q_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    _fake_4bit(model)
+    model.get_base_model().config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    strategy = Strategy(StrategyOptions(zero_stage=2))
+    state = strategy.full_state_dict(model)
+    with monkeypatch.context() as m:
+        _stand_in_bitsandbytes(m)
+        merged, _ = merged_state_dict(model, state)
+        folder = strategy.export_hf(model, tmp_path / "exported")
+    assert set(merged) == set(reference) - {"lm_head.weight"}  # tied to the embedding
+    assert all(t.dtype == torch.bfloat16 for t in merged.values())
+    for key, t in merged.items():
+        torch.testing.assert_close(t.float(), reference[key].float(), atol=2e-3, rtol=1e-2, msg=key)
+    layers = "base_model.model.model.layers.0"
+    q_base = model.get_submodule(f"{layers}.self_attn.q_proj.base_layer").weight.quant_state
+    k_base = model.get_submodule(f"{layers}.self_attn.k_proj").weight.quant_state  # no adapter
+    assert (merged["model.layers.0.self_attn.q_proj.weight"].float() - q_base.float()).abs().max() > 1e-2
+    assert torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], k_base)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["dtype"] == "bfloat16"
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plain.load_state_dict({k: v.float() for k, v in reference.items()})
+    ids = torch.randint(3, 400, (2, 10), generator=g)
+    with torch.no_grad():
+        expect = plain(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(got, expect, atol=3e-2 * expect.abs().max().item(), rtol=0)

@@ -126,26 +126,12 @@ def run_window(
     ``metrics`` values are per-micro-batch sums (tensors) that are summed over the window and ranks and
     divided by the global token count (names in ``token_metrics``) or sequence count (the others).
     """
-    gas = engine.gradient_accumulation_steps()
-    if len(micro_batches) != gas:
-        raise ValueError(
-            f"micro_batches: got {len(micro_batches)}, the engine steps every {gas} (grad_accum_steps)"
-        )
-    for i, mb in enumerate(micro_batches):
-        if not isinstance(mb, batch_type):
-            raise TypeError(
-                f"micro_batches[{i}]: got {type(mb).__name__}, this step takes {batch_type.__name__}"
-            )
+    _check_micro_batches(engine, micro_batches, batch_type)
     group = _dp_group(engine)
     dp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     device = engine.device
     micro_batches = [mb.to(device) for mb in micro_batches]
-    tokens, seqs = 0.0, 0.0
-    for mb in micro_batches:
-        t, s = count(mb)
-        tokens, seqs = tokens + float(t), seqs + float(s)
-    g_tokens, g_seqs = _all_reduce_sum([tokens, seqs], group, device)
-    counts = WindowCounts(global_tokens=g_tokens, global_seqs=g_seqs, dp_size=dp_size)
+    counts = _window_counts(micro_batches, count, group, device, dp_size)
     total = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
@@ -157,13 +143,47 @@ def run_window(
             sums[k] = sums.get(k, 0.0) + v.detach().double().sum()
     keys = sorted(sums)
     reduced = _all_reduce_sum([float(total)] + [float(sums[k]) for k in keys], group, device)
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-    norm = float(norm) if norm is not None else None
     return StepResult(
         loss=reduced[0] / dp_size,
-        grad_norm=norm,
+        grad_norm=_grad_norm(engine),
         metrics={
-            k: v / max(g_tokens if k in token_metrics else g_seqs, 1.0)
+            k: v / max(counts.global_tokens if k in token_metrics else counts.global_seqs, 1.0)
             for k, v in zip(keys, reduced[1:], strict=True)
         },
     )
+
+
+def _check_micro_batches(engine: TrainEngine, micro_batches: Sequence[Any], batch_type: type) -> None:
+    """Raise unless there is one ``batch_type`` micro-batch per gradient-accumulation step."""
+    gas = engine.gradient_accumulation_steps()
+    if len(micro_batches) != gas:
+        raise ValueError(
+            f"micro_batches: got {len(micro_batches)}, the engine steps every {gas} (grad_accum_steps)"
+        )
+    for i, mb in enumerate(micro_batches):
+        if not isinstance(mb, batch_type):
+            raise TypeError(
+                f"micro_batches[{i}]: got {type(mb).__name__}, this step takes {batch_type.__name__}"
+            )
+
+
+def _window_counts(
+    micro_batches: Sequence[Batch],
+    count: Callable[[Batch], tuple[float, float]],
+    group: Any,
+    device: torch.device,
+    dp_size: int,
+) -> WindowCounts:
+    """``count`` summed over the window's micro-batches and all-reduced over the DP ``group``."""
+    tokens, seqs = 0.0, 0.0
+    for mb in micro_batches:
+        t, s = count(mb)
+        tokens, seqs = tokens + float(t), seqs + float(s)
+    g_tokens, g_seqs = _all_reduce_sum([tokens, seqs], group, device)
+    return WindowCounts(global_tokens=g_tokens, global_seqs=g_seqs, dp_size=dp_size)
+
+
+def _grad_norm(engine: TrainEngine) -> float | None:
+    """The engine's global gradient norm as a float, or None when it reports none."""
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    return float(norm) if norm is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,49 @@ def ppo_actor_step(
     """
     if kl_coef and kl_loss_fn is None:
         raise ValueError("kl_coef: set, but no kl_loss_fn was given")
+    _check_policy_batches(micro_batches, kl_loss_fn=kl_loss_fn, is_weights_fn=is_weights_fn)
+    fns = _ActorLoss(
+        policy_loss_fn=policy_loss_fn,
+        aggregate_fn=aggregate_fn,
+        kl_loss_fn=kl_loss_fn,
+        kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
+        is_weights_fn=is_weights_fn,
+        aux_loss_coef=aux_loss_coef,
+        gas=len(micro_batches),
+    )
+    return run_window(
+        engine,
+        micro_batches,
+        batch_type=PolicyBatch,
+        count=lambda mb: masked_counts(mb.action_mask),
+        compute=lambda mb, c: _actor_micro_loss(engine, fns, mb, c),
+        token_metrics=("policy_loss", "clip_frac", "kl", "entropy"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ActorLoss:
+    """The loss functions and coefficients of one :func:`ppo_actor_step` call."""
+
+    policy_loss_fn: PolicyLossFn
+    aggregate_fn: AggregateFn
+    kl_loss_fn: KLLossFn | None
+    kl_coef: float
+    entropy_coef: float
+    is_weights_fn: ISWeightsFn | None
+    aux_loss_coef: float
+    gas: int
+    """Micro-batches in the window (the router auxiliary loss is averaged over them)."""
+
+
+def _check_policy_batches(
+    micro_batches: Sequence[PolicyBatch],
+    *,
+    kl_loss_fn: KLLossFn | None,
+    is_weights_fn: ISWeightsFn | None,
+) -> None:
+    """Raise when a micro-batch lacks the log-probs the given KL or IS-weight function needs."""
     for i, mb in enumerate(micro_batches):
         if not isinstance(mb, PolicyBatch):
             continue  # run_window names the wrong type
@@ -54,52 +98,46 @@ def ppo_actor_step(
             raise ValueError(f"micro_batches[{i}].ref_logp: needed by kl_loss_fn, not set")
         if is_weights_fn is not None and mb.rollout_logp is None:
             raise ValueError(f"micro_batches[{i}].rollout_logp: needed by is_weights_fn, not set")
-    gas = len(micro_batches)
 
-    def compute(mb: PolicyBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = mb.action_mask
-        out = engine(
-            mb.input_ids,
-            **mb.model_inputs(),
-            return_entropy=entropy_coef != 0.0,
-            return_aux_loss=aux_loss_coef != 0.0,
-        )
-        kw: dict[str, Any] = {}
-        if is_weights_fn is not None:
-            kw["is_weights"] = is_weights_fn(mb.old_logp, mb.rollout_logp, mask)
-        if entropy_coef:
-            kw["entropy"] = out.entropy
-            kw["entropy_coef"] = entropy_coef
-        res = policy_loss_fn(out.logp, mb.old_logp, mb.advantages, mask, **kw)
-        per_token = loss_tensor(res)
-        mf = mask.to(per_token.dtype)
-        metrics = {"policy_loss": (per_token * mf).sum()}
-        if getattr(res, "clipped", None) is not None:
-            metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
-        if kl_loss_fn is not None:
-            kl = kl_loss_fn(out.logp, mb.ref_logp) * mf
-            metrics["kl"] = kl.sum()
-            if kl_coef:
-                per_token = per_token + kl_coef * kl
-        if out.entropy is not None:
-            metrics["entropy"] = (out.entropy * mf).sum()
-        loss = aggregate_fn(
-            per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
-        )
-        if aux_loss_coef:
-            if out.aux_loss is None:
-                raise ValueError("aux_loss_coef: the model returned no router auxiliary loss")
-            loss = loss + aux_loss_coef * out.aux_loss / gas
-        return loss, metrics
 
-    return run_window(
-        engine,
-        micro_batches,
-        batch_type=PolicyBatch,
-        count=lambda mb: masked_counts(mb.action_mask),
-        compute=compute,
-        token_metrics=("policy_loss", "clip_frac", "kl", "entropy"),
+def _actor_micro_loss(
+    engine: TrainEngine, fns: _ActorLoss, mb: PolicyBatch, c: WindowCounts
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's PPO actor loss (normalised by the window's counts ``c``) and metric sums."""
+    mask = mb.action_mask
+    out = engine(
+        mb.input_ids,
+        **mb.model_inputs(),
+        return_entropy=fns.entropy_coef != 0.0,
+        return_aux_loss=fns.aux_loss_coef != 0.0,
     )
+    kw: dict[str, Any] = {}
+    if fns.is_weights_fn is not None:
+        kw["is_weights"] = fns.is_weights_fn(mb.old_logp, mb.rollout_logp, mask)
+    if fns.entropy_coef:
+        kw["entropy"] = out.entropy
+        kw["entropy_coef"] = fns.entropy_coef
+    res = fns.policy_loss_fn(out.logp, mb.old_logp, mb.advantages, mask, **kw)
+    per_token = loss_tensor(res)
+    mf = mask.to(per_token.dtype)
+    metrics = {"policy_loss": (per_token * mf).sum()}
+    if getattr(res, "clipped", None) is not None:
+        metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
+    if fns.kl_loss_fn is not None:
+        kl = fns.kl_loss_fn(out.logp, mb.ref_logp) * mf
+        metrics["kl"] = kl.sum()
+        if fns.kl_coef:
+            per_token = per_token + fns.kl_coef * kl
+    if out.entropy is not None:
+        metrics["entropy"] = (out.entropy * mf).sum()
+    loss = fns.aggregate_fn(
+        per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
+    )
+    if fns.aux_loss_coef:
+        if out.aux_loss is None:
+            raise ValueError("aux_loss_coef: the model returned no router auxiliary loss")
+        loss = loss + fns.aux_loss_coef * out.aux_loss / fns.gas
+    return loss, metrics
 
 
 def critic_step(

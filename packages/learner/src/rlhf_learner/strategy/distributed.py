@@ -66,24 +66,7 @@ def init_distributed(
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    env = {
-        "RANK": rank,
-        "LOCAL_RANK": rank if os.environ.get("LOCAL_RANK") is None else None,
-        "WORLD_SIZE": world_size,
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": master_port,
-    }
-    for key, value in env.items():
-        if value is not None:
-            os.environ[key] = str(value)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if os.environ["WORLD_SIZE"] != "1":
-            raise ValueError("master_port: needed (or MASTER_PORT) when world_size > 1")
-        os.environ["MASTER_PORT"] = str(free_port())
+    _set_rendezvous_env(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
@@ -104,3 +87,28 @@ def init_distributed(
         world_size=int(os.environ["WORLD_SIZE"]),
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _set_rendezvous_env(
+    *, rank: int | None, world_size: int | None, master_addr: str | None, master_port: int | None
+) -> None:
+    """Write ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` to
+    ``os.environ``: the arguments where given, else what is there, else single-process defaults."""
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": rank if os.environ.get("LOCAL_RANK") is None else None,
+        "WORLD_SIZE": world_size,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
+    }
+    for key, value in env.items():
+        if value is not None:
+            os.environ[key] = str(value)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise ValueError("master_port: needed (or MASTER_PORT) when world_size > 1")
+        os.environ["MASTER_PORT"] = str(free_port())

@@ -76,16 +76,20 @@ def weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
 
 
 def _write_config(directory: Path, hf_model: Any, dtype: torch.dtype | None) -> None:
-    """``config.json`` of ``hf_model``, recording ``dtype`` (the weights' dtype as written)."""
+    """``config.json`` of ``hf_model``, recording ``dtype`` (the weights' dtype as written), without a
+    ``quantization_config``: the weights written are never quantized (a QLoRA model is merged in full
+    precision), and loaders would otherwise expect bitsandbytes' packed weights."""
     hf_model.config.save_pretrained(str(directory))
-    if dtype is None:
-        return
     path = directory / "config.json"
     cfg = json.loads(path.read_text())
-    name = str(dtype).removeprefix("torch.")
-    cfg["dtype"] = name
-    if "torch_dtype" in cfg:
-        cfg["torch_dtype"] = name
+    if dtype is None and "quantization_config" not in cfg:
+        return
+    cfg.pop("quantization_config", None)
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        cfg["dtype"] = name
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = name
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

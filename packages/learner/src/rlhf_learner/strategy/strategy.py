@@ -306,17 +306,18 @@ class Strategy:
         ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``. ``dtype``
         (e.g. ``torch.bfloat16``) casts the floating-point weights. ``model`` is the engine's module
         or a wrapper holding the transformers model as ``.model`` (actor, critic, reward model); a peft
-        LoRA model is merged first (on a copy of the weights, the trained model is unchanged).
+        LoRA model is merged first (on a copy of the weights, the trained model is unchanged); a QLoRA
+        model's 4-bit base is dequantized for that, and written in the compute dtype (bf16) unless
+        ``dtype`` says otherwise, without its ``quantization_config``.
         Collective under ZeRO-3 / AutoTP: every rank takes part in the gathers, but only rank 0 keeps
         the weights and touches ``directory`` (the other ranks' ``directory`` is not used).
         """
         check_max_shard_bytes(max_shard_bytes)  # on every rank, before any collective
         hf = unwrap_hf_model(model)
         base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-        if getattr(base, "is_loaded_in_4bit", False):
+        if getattr(base, "is_loaded_in_4bit", False) and not hasattr(hf, "peft_config"):
             raise ValueError(
-                "load_in_4bit: export_hf cannot merge LoRA into 4-bit base weights; save_adapter() and "
-                "merge_adapter() into the full-precision base"
+                "load_in_4bit: export_hf writes a 4-bit base only merged with its LoRA adapter (a peft model)"
             )
         state = self.full_state_dict(hf, rank0_only=True)
         if self.rank == 0:
