@@ -97,3 +97,62 @@ def test_load_in_4bit_quantizes_the_base_and_only_lora_gets_gradients(tiny_model
     assert with_grad and all("lora_" in n for n in with_grad)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == with_grad
     assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def _merged_logits_tolerance(expect: torch.Tensor) -> float:
+    """5% of the logit scale: the merged weights are bf16 (the compute dtype) and the peft forward runs
+    its 4-bit linears in bf16 with the adapters beside them in fp32, so both sides round differently."""
+    return 5e-2 * expect.abs().max().item()
+
+
+def test_qlora_step_changes_only_adapters_and_merged_weights_give_its_logits(tiny_model_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import json
+
+    from rlhf_learner.lora import LoraOptions, merged_state_dict
+    from rlhf_learner.models import Actor, load_causal_lm
+    from rlhf_learner.strategy import Strategy, StrategyOptions
+    from transformers import AutoModelForCausalLM
+
+    model = load_causal_lm(tiny_model_dir, lora=LoraOptions(rank=8, alpha=16.0, load_in_4bit=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (2, 12), generator=g).cuda()
+    (-Actor(model)(ids).logp[:, 1:].float().mean()).backward()
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert any("lora_B" in n for n in changed) and all("lora_" in n for n in changed), changed
+
+    with torch.no_grad():  # adapters large enough that a merge which dropped them could not pass
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g).to(p.device))
+    model.eval()
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits.float()
+        with model.disable_adapter():
+            without = model(input_ids=ids).logits.float()
+    tol = _merged_logits_tolerance(expect)
+    assert (expect - without).abs().max() > 2 * tol  # the adapters change the function
+
+    strategy = Strategy(StrategyOptions(zero_stage=2))
+    merged, _ = merged_state_dict(model, strategy.full_state_dict(model))  # as the worker's send_weights
+    assert not [k for k in merged if ".lora_" in k or "base_layer" in k or "absmax" in k or "quant" in k]
+    assert all(t.dtype == torch.bfloat16 for t in merged.values())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict({k: v.float() for k, v in merged.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    with torch.no_grad():
+        got = plain.cuda()(ids).logits.float()
+        again = model(input_ids=ids).logits.float()
+    assert (got - expect).abs().max() <= tol
+    torch.testing.assert_close(again, expect, atol=1e-3 * expect.abs().max().item(), rtol=0)  # model intact
+
+    for dtype, name in ((None, "bfloat16"), (torch.float32, "float32")):
+        folder = strategy.export_hf(Actor(model), tmp_path / name, dtype=dtype)
+        cfg = json.loads((folder / "config.json").read_text())
+        assert "quantization_config" not in cfg and cfg["dtype"] == name
+        exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
+        with torch.no_grad():
+            assert (exported(ids).logits.float() - expect).abs().max() <= tol

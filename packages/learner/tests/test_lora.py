@@ -106,14 +106,14 @@ def test_qlora_merge_maps_peft_names_to_the_base_models_and_drops_adapter_and_qu
     assert plain_name(f"{layer}.base_layer") == "model.layers.0.self_attn.q_proj"  # a module name
     assert plain_name("base_model.model.lm_head.weight") == "lm_head.weight"
     assert plain_name("model.norm.weight") == "model.norm.weight"  # already plain
-    assert is_adapter_key(f"{layer}.lora_A.default.weight") and is_adapter_key(f"{layer}.lora_B.default.weight")
+    assert all(is_adapter_key(f"{layer}.lora_{ab}.default.weight") for ab in "AB")
     assert not is_adapter_key(f"{layer}.base_layer.weight")
     quant_state = [
         f"{layer}.base_layer.weight.{k}"
         for k in ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4")
     ]
     assert all(is_quant_state_key(k) for k in quant_state)
-    assert not is_quant_state_key(f"{layer}.base_layer.weight") and not is_quant_state_key("model.absmax.weight")
+    assert not any(map(is_quant_state_key, (f"{layer}.base_layer.weight", "model.absmax.weight")))
     t = torch.zeros(1)
     state = {
         f"{layer}.base_layer.weight": t,
@@ -170,13 +170,13 @@ def _stand_in_bitsandbytes(monkeypatch) -> None:
     import types
 
     bnb, functional = types.ModuleType("bitsandbytes"), types.ModuleType("bitsandbytes.functional")
-    functional.dequantize_4bit = lambda data, quant_state: quant_state  # noqa: ARG005
+    functional.dequantize_4bit = lambda data, quant_state: quant_state
     bnb.functional = functional
     monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", functional)
 
 
-def test_4bit_merge_dequantizes_adds_the_delta_and_exports_a_plain_folder(tiny_model_dir, tmp_path, monkeypatch):
+def test_4bit_merge_adds_the_delta_to_dequantized_weights_and_exports(tiny_model_dir, tmp_path, monkeypatch):
     """Without a GPU: a stand-in ``dequantize_4bit``, 4-bit layers with and without adapters, against
     peft's own merge of the same (bf16-rounded) weights."""
     import copy

@@ -158,13 +158,16 @@ def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path) -> None
 def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
     """Fold LoRA weights of a full ``state`` (names as in ``peft_model.named_parameters()``) into the
     base weights: ``W += scale * B @ A`` per adapted linear. Returns the base model's state dict
-    (peft prefixes removed, adapter tensors dropped) and the base model (for its config)."""
+    (peft prefixes removed, adapter tensors dropped) and the base model (for its config).
+
+    A QLoRA model (4-bit NF4 base) is merged by :func:`~rlhf_learner.qlora_merge.merged_4bit_state_dict`:
+    each 4-bit weight dequantized from the live layer plus its delta, every floating tensor in the compute
+    dtype (bf16), bitsandbytes' quantization-state entries dropped."""
     base = peft_model.get_base_model()
     if getattr(base, "is_loaded_in_4bit", False):
-        raise ValueError(
-            "load_in_4bit: LoRA cannot be merged into 4-bit base weights here; save_adapter() and "
-            "merge_adapter() into the full-precision base"
-        )
+        from rlhf_learner.qlora_merge import merged_4bit_state_dict
+
+        return merged_4bit_state_dict(peft_model, state), base
     out: dict[str, torch.Tensor] = {}
     prefix = "base_model.model."
     for name, t in state.items():

@@ -191,8 +191,9 @@ class LearnerWorker:
 
     def send_weights(self, *, version: int) -> Any:
         """Ship the current policy to every engine (ZeRO-3 shards gathered bucket by bucket; LoRA
-        merged first). Collective over the group; rank 0 returns the sender's ``SyncStats``, the
-        other ranks None."""
+        merged first: with QLoRA each 4-bit base weight is dequantized on rank 0's GPU, the delta added,
+        and everything sent in the compute dtype, bf16). Collective over the group; rank 0 returns the
+        sender's ``SyncStats``, the other ranks None."""
         from rlhf_learner.strategy import unwrap_hf_model
         from rlhf_weightsync import gather_along
 
