@@ -21,7 +21,7 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 def test_libraries_never_import_each_other():
     out = run(str(BIN / "lint-imports"))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "Contracts: 2 kept, 0 broken" in out.stdout
+    assert "Contracts: 3 kept, 0 broken" in out.stdout
 
 
 def test_ruff_lint_and_format():
@@ -72,11 +72,16 @@ def test_cli_bounds_admit_the_siblings_current_versions(wheels):
     from packaging.requirements import Requirement
 
     reqs = {Requirement(r).name: Requirement(r) for r in _requires(wheels["rlhf-cli"])}
-    for folder in ("algos", "rollout", "learner", "weightsync", "testkit"):
+    for folder in ("algos", "rollout", "learner", "weightsync"):
         project = tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
         req = reqs[project["name"]]
         assert req.specifier.contains(project["version"]), (req, project["version"])
         assert (ROOT / "packages" / folder / "CHANGELOG.md").is_file()
+    assert "rlhf-testkit" not in reqs  # a development dependency only, never the CLI's
+    testkit = tomllib.loads((ROOT / "packages" / "testkit" / "pyproject.toml").read_text())["project"]
+    cli = tomllib.loads((ROOT / "packages" / "cli" / "pyproject.toml").read_text())["project"]
+    on_cli = next(Requirement(r) for r in testkit["dependencies"] if Requirement(r).name == "rlhf-cli")
+    assert on_cli.specifier.contains(cli["version"])
 
 
 def _dry_run_changes(*args: str) -> list[str]:

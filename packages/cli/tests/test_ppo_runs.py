@@ -244,9 +244,15 @@ def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_e
         "--algo.kl.coef=0.1",
         "--algo.kl.use_loss",
         "--algo.kl.estimator=k3+",
+        "--train.batch_size=8",  # PPO mini-batches: 2 optimizer steps per rollout batch
+        "--train.micro_batch_size=2",
+        "--algo.clip.eps_low=1e-3",
+        "--algo.clip.eps_high=1e-3",
     )  # fmt: skip
     rows = check_run(result)
     assert "actor/kl" in rows[1]
+    for r in rows:  # the second mini-batch trains a policy the first one moved: its ratios leave 1 +- 1e-3
+        assert r["actor/optimizer_steps"] == 2 and r["actor/clip_frac"] > 0
 
 
 def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
@@ -280,7 +286,13 @@ def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
 
 
 def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine):
+    """With a learning-rate schedule (its state is in the checkpoint) and PPO mini-batches (their shuffle
+    is seeded by the step)."""
     common = [
+        "--actor.lr_scheduler=cosine",
+        "--actor.lr_warmup_steps=2",
+        "--actor.min_lr=1e-4",
+        "--train.batch_size=8",
         "--algo.advantage.estimator",
         "group_norm",
         "--train.warmup_sft_steps",

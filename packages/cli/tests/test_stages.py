@@ -79,6 +79,11 @@ class FakeGroup:
         )
         return [self.score(s) for s in sequences]
 
+    def submit_forward(self, sequences, *, micro_batch_size, packing):
+        self.submitted = getattr(self, "submitted", 0) + 1
+        out = self.forward(sequences, micro_batch_size=micro_batch_size, packing=packing)
+        return lambda: out
+
     def train_policy(self, per_rank, *, settings):
         self.policy_calls.append((per_rank, settings))
         return StepResult(loss=float(len(self.policy_calls)), grad_norm=0.5, metrics={"clip_frac": 0.25})
@@ -182,6 +187,7 @@ def test_cfg_of_matches_build_config():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_experience_scores_land_on_their_samples_and_kl_is_the_masked_estimator_mean(estimator):
     cfg = cfg_of(
+        "--train.ppo_epochs", "2",  # not exactly on-policy: the old-policy forward runs
         "--rollout.batch_size", "3", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
         "--algo.kl.coef", "0.1", "--algo.kl.use_loss", "true", "--algo.kl.estimator", estimator,
         "--train.packing", "false",
@@ -212,6 +218,7 @@ def test_experience_scores_land_on_their_samples_and_kl_is_the_masked_estimator_
 
 def test_experience_group_norm_advantages_match_grpo_by_hand():
     cfg = cfg_of(
+        "--train.ppo_epochs", "2",  # not exactly on-policy: the old-policy forward runs
         "--rollout.batch_size", "3", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
         "--algo.advantage.estimator", "group_norm",
     )  # fmt: skip
@@ -235,6 +242,7 @@ def test_experience_group_norm_advantages_match_grpo_by_hand():
 
 def test_experience_in_reward_kl_uses_the_controllers_coefficient_and_gamma():
     cfg = cfg_of(
+        "--train.ppo_epochs", "2",  # not exactly on-policy: the old-policy forward runs
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "3", "--train.micro_batch_size", "2",
         "--algo.kl.coef", "0.05", "--algo.kl.estimator", "k1", "--algo.advantage.gamma", "0.9",
     )  # fmt: skip
@@ -248,6 +256,7 @@ def test_experience_in_reward_kl_uses_the_controllers_coefficient_and_gamma():
 
 def test_experience_logp_mismatch_is_over_action_tokens():
     cfg = cfg_of(
+        "--train.ppo_epochs", "2",  # not exactly on-policy: the old-policy forward runs
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
     )  # fmt: skip
     samples = make_samples(2, 2, seed=4)
@@ -271,6 +280,7 @@ def test_experience_logp_mismatch_is_over_action_tokens():
 
 def test_experience_gae_values_and_whitened_advantages_by_hand():
     cfg = cfg_of(
+        "--train.ppo_epochs", "2",  # not exactly on-policy: the old-policy forward runs
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
         "--algo.advantage.estimator", "gae", "--algo.advantage.gamma", "0.95", "--algo.advantage.lam", "0.8",
     )  # fmt: skip
@@ -373,10 +383,10 @@ def test_update_runs_each_epoch_and_gives_each_rank_its_contiguous_shard(packing
     actor, critic = actor_group(world_size=2), critic_group(world_size=2)
     upd = update(cfg, samples, actor=actor, critic=critic, kl_coef=0.0)
     assert len(actor.policy_calls) == 2 and len(critic.value_calls) == 2
-    assert upd.actor.loss == 2.0 and upd.critic.loss == 12.0  # the last epoch's results
+    assert upd.actor.loss == 1.5 and upd.critic.loss == 11.5  # the mean over the two optimizer steps
     m = upd.metrics()
-    assert m["actor/loss"] == 2.0 and m["actor/clip_frac"] == 0.25 and m["actor/grad_norm"] == 0.5
-    assert m["critic/loss"] == 12.0 and m["critic/values"] == 1.5
+    assert m["actor/loss"] == 1.5 and m["actor/clip_frac"] == 0.25 and m["actor/grad_norm"] == 0.5
+    assert m["critic/loss"] == 11.5 and m["critic/values"] == 1.5 and m["actor/optimizer_steps"] == 2
     for per_rank, _ in actor.policy_calls + critic.value_calls:
         assert len(per_rank) == 2
         for r, mbs in enumerate(per_rank):
@@ -762,3 +772,49 @@ def test_dapo_filters_on_the_reward_models_scores():
     assert len(ex.calls) == 1 and batch.filter_rounds == 1
     assert [s.score for s in batch.samples] == [0, 1] * 4
     assert [s.reward for s in batch.samples] == [0, 1] * 4
+
+
+def test_an_exactly_on_policy_update_skips_the_old_policy_forward():
+    """One optimizer step per rollout batch and no KL in the reward: the actor is not asked for old
+    log-probs (the update uses its current ones, detached); the KL and the engine gap are left to it."""
+    cfg = cfg_of(
+        "--rollout.batch_size", "3", "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "2",
+        "--algo.kl.coef", "0.1", "--algo.kl.use_loss", "true", "--train.packing", "false",
+    )  # fmt: skip
+    assert cfg.exactly_on_policy
+    actor, ref = actor_group(), ref_group()
+    exp = make_experience(cfg, make_samples(3, 4, seed=1), actor=actor, ref=ref, critic=None, kl_coef=0.1)
+    assert actor.forward_calls == [] and len(ref.forward_calls) == 1
+    assert all(s.old_logp is None and s.ref_logp is not None for s in exp.samples)
+    assert exp.kl_mean is None and exp.logp_mismatch_mean is None
+    m = exp.metrics()
+    assert "policy/kl" not in m and "sync/logp_mismatch_mean" not in m and m["policy/kl_coef"] == 0.1
+    for flags in (("--train.ppo_epochs", "2"), ("--train.batch_size", "6"), ("--algo.kl.in_reward", "true")):
+        base = (
+            "--rollout.batch_size",
+            "3",
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--train.micro_batch_size",
+            "2",
+        )
+        assert not cfg_of(*base, "--algo.kl.coef", "0.1", *flags).exactly_on_policy, flags
+
+
+def test_concurrent_forwards_give_the_same_experience():
+    """On separate devices the groups' forwards are all started before any is awaited; the experience is
+    the same as one after the other."""
+    cfg = cfg_of(
+        "--train.ppo_epochs", "2", "--algo.advantage.estimator", "gae", "--algo.kl.coef", "0.1",
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+    )  # fmt: skip
+    runs = []
+    for concurrent in (False, True):
+        groups = {"actor": actor_group(), "ref": ref_group(), "critic": critic_group()}
+        exp = make_experience(cfg, make_samples(2, 2, seed=3), **groups, kl_coef=0.1, concurrent=concurrent)
+        assert all(getattr(g, "submitted", 0) == (1 if concurrent else 0) for g in groups.values())
+        runs.append(exp)
+    a, b = runs
+    assert a.kl_mean == b.kl_mean and a.advantage_mean == b.advantage_mean
+    for x, y in zip(a.samples, b.samples, strict=True):
+        assert torch.equal(x.old_logp, y.old_logp) and torch.equal(x.values, y.values)

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from rlhf_learner import LoraOptions, ModelOptions
+from rlhf_learner.strategy import LRSchedule
 
 from rlhf_cli.config._base import Section
 
-__all__ = ["REWARD_TOKEN_ENV", "ActorConfig", "CriticConfig", "GroupShape", "RefConfig", "RewardConfig"]
+__all__ = [
+    "REWARD_TOKEN_ENV",
+    "ActorConfig",
+    "CriticConfig",
+    "GroupShape",
+    "RefConfig",
+    "RewardConfig",
+    "TrainedGroup",
+]
 
 REWARD_TOKEN_ENV = "RLHF_REWARD_TOKEN"
 """Bearer token: sent to --reward.remote_url servers when set, and checked by rlhf serve-rm."""
@@ -28,7 +39,33 @@ class GroupShape(Section):
         return self.num_nodes * self.num_devices_per_node
 
 
-class ActorConfig(GroupShape):
+class TrainedGroup(GroupShape):
+    """A group that trains: its learning-rate schedule (stepped per optimizer step)."""
+
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after the warmup: constant, or decayed linearly or along a cosine to min_lr by the
+    last optimizer step."""
+    lr_warmup_ratio: float = Field(0.0, ge=0, le=1)
+    """Linear warmup over this fraction of the run's optimizer steps."""
+    lr_warmup_steps: int | None = Field(None, ge=0)
+    """Linear warmup over this many optimizer steps (overrides lr_warmup_ratio)."""
+    min_lr: float = Field(0.0, ge=0)
+    """Floor of the linear and cosine decay."""
+
+    def lr_schedule(self, lr: float, total_steps: int) -> LRSchedule:
+        """The schedule over ``total_steps`` optimizer steps from the peak ``lr``."""
+        warmup = self.lr_warmup_steps
+        if warmup is None:
+            warmup = math.ceil(self.lr_warmup_ratio * total_steps)
+        return LRSchedule(
+            kind=self.lr_scheduler,
+            warmup_steps=warmup,
+            total_steps=total_steps,
+            min_lr_ratio=min(1.0, self.min_lr / lr),
+        )
+
+
+class ActorConfig(TrainedGroup):
     pretrain: str | None = None
     """Hugging Face folder of the policy; unset: the built-in demo (a tiny model built offline)."""
     lr: float = Field(2e-3, gt=0)
@@ -42,7 +79,7 @@ class ActorConfig(GroupShape):
     (0: off; a model without a router loss is refused when it is set)."""
 
 
-class CriticConfig(GroupShape):
+class CriticConfig(TrainedGroup):
     enable: bool | None = None
     """Run the critic group; unset: exactly when the estimator needs one (gae)."""
     pretrain: str | None = None

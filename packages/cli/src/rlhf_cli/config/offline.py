@@ -12,7 +12,7 @@ from rlhf_algos.preference import DPOVariant
 from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
 
 from rlhf_cli.config._base import Section
-from rlhf_cli.config.models import GroupShape, RefConfig
+from rlhf_cli.config.models import RefConfig, TrainedGroup
 from rlhf_cli.config.run import (
     CkptConfig,
     ExportConfig,
@@ -38,7 +38,7 @@ TINY_MODEL_LR = 1e-3
 """What the built-in tiny model (random weights, 0.36M parameters) trains well with."""
 
 
-class ModelConfig(GroupShape):
+class ModelConfig(TrainedGroup):
     pretrain: str | None = None
     """Hugging Face folder to start from; unset: the built-in tiny model (built offline)."""
     lr: float | None = Field(None, gt=0)

@@ -74,6 +74,29 @@ class PPOConfig(Section):
         return self.rollout.batch_size * self.rollout.n_samples_per_prompt
 
     @property
+    def optimizer_batch_size(self) -> int:
+        """Samples per optimizer step (``--train.batch_size``; unset: the whole rollout batch)."""
+        return self.train.batch_size or self.samples_per_step
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps each training step takes (per trained group)."""
+        return self.train.ppo_epochs * (self.samples_per_step // self.optimizer_batch_size)
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run per trained group (the demo's warm-up SFT steps count too):
+        what the learning-rate schedules span."""
+        warmup = self.train.warmup_sft_steps if self.warmup_runs else 0
+        return self.train.num_steps * self.optimizer_steps_per_step + warmup
+
+    @property
+    def exactly_on_policy(self) -> bool:
+        """One optimizer step per rollout batch and no KL in the reward: the policy that is updated is the
+        one that was scored, so the old-policy forward is skipped (its log-probs are the current ones)."""
+        return self.optimizer_steps_per_step == 1 and not self.algo.kl.reward_penalty
+
+    @property
     def grad_accum_steps(self) -> int:
         return (
             self.samples_per_step
@@ -126,16 +149,24 @@ class PPOConfig(Section):
     def _batches(self) -> PPOConfig:
         """Each group's ranks get equal shards that the micro-batch size divides."""
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
-        what, n, m = (
-            "--rollout.batch_size x --rollout.n_samples_per_prompt",
-            self.samples_per_step,
-            self.train.micro_batch_size,
-        )
+        b = self.train.batch_size
+        if b is not None and self.samples_per_step % b:
+            raise ValueError(
+                f"--train.batch_size {b} does not divide the {self.samples_per_step} samples of a rollout "
+                "batch (--rollout.batch_size x --rollout.n_samples_per_prompt)"
+            )
+        what = "--train.batch_size" if b else "--rollout.batch_size x --rollout.n_samples_per_prompt"
+        n, m = self.optimizer_batch_size, self.train.micro_batch_size
         check_split(n, what, self.actor.world_size, "actor", self.ds, m)
         if self.uses_critic:
             check_split(n, what, self.critic.world_size, "critic", self.ds, m)
         if self.uses_reference:
             check_split(n, what, self.ref.world_size, "reference", self.ds, None)
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            try:
+                group.lr_schedule(group.lr, self.total_optimizer_steps)
+            except ValueError as err:
+                raise ValueError(f"--{name}.{err}") from None
         return self
 
     @model_validator(mode="after")

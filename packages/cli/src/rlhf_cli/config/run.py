@@ -31,6 +31,7 @@ DS_FIELDS_SET_ELSEWHERE = {
     "micro_batch_size": "--train.micro_batch_size",
     "grad_accum_steps": "--train.micro_batch_size (derived from the batch)",
     "seed": "--train.seed",
+    "lr_schedule": "the group's --*.lr_scheduler, --*.lr_warmup_ratio / _steps and --*.min_lr flags",
 }
 """StrategyOptions fields that each group takes from another flag; setting them under --ds is an error."""
 
@@ -83,7 +84,10 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1)
     """Samples per micro-batch on each data-parallel rank."""
     ppo_epochs: int = Field(1, ge=1)
-    """Optimizer steps over each rollout batch."""
+    """Passes over each rollout batch."""
+    batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step (a PPO mini-batch): each pass takes rollout samples / batch_size
+    optimizer steps over shuffled mini-batches; unset: the whole rollout batch (one step per pass)."""
     seed: int = 42
     """Seed of data order, sampling and model initialisation."""
     packing: bool = True
@@ -168,6 +172,9 @@ class RayConfig(Section):
     """Local cluster only: CPUs it offers (default: this machine's)."""
     cpus_per_worker: float = Field(0.25, gt=0)
     """CPUs each learner rank and each engine claims on a CPU-only cluster."""
+    threads_per_rank: int | None = Field(None, ge=1)
+    """torch threads of each learner rank; unset: its node's cores divided by its group's ranks on the
+    node (the stages of a step run one at a time, so the running group owns the cores)."""
     gpus_per_worker: float = Field(1.0, gt=0, le=1)
     """GPUs each learner rank and each engine worker claims; below 1 they share GPUs (weights then go over
     CUDA IPC; lower --vllm.gpu_memory_utilization to fit)."""

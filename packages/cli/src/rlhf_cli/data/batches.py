@@ -127,8 +127,11 @@ def policy_batch(
     samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
 ) -> PolicyBatch:
     """The micro-batch of ``ppo_actor_step`` (``ref_logp`` for a KL loss, ``rollout_logp`` for
-    importance-sampling correction)."""
-    per_token = {"action_mask": "action_mask", "old_logp": "old_logp", "advantages": "advantages"}
+    importance-sampling correction and the engine-vs-learner gap). Samples without ``old_logp`` (an
+    exactly on-policy update) leave it unset: the step uses the current log-probs, detached."""
+    per_token = {"action_mask": "action_mask", "advantages": "advantages"}
+    if any(s.old_logp is not None for s in samples):
+        per_token["old_logp"] = "old_logp"
     if with_ref:
         per_token["ref_logp"] = "ref_logp"
     if with_rollout:

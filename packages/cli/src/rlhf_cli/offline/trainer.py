@@ -95,8 +95,9 @@ def offline_plan(cfg: OfflineConfig, *, with_ref: bool) -> Plan:
     return dry_run_plan(cfg, cfg.model.pretrain, functools.partial(_plan_for, cfg, with_ref))
 
 
-def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role) -> Groups:
-    """The trained group (``role``: actor for a policy, reward for a reward model) and the reference."""
+def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Groups:
+    """The trained group (``role``: actor for a policy, reward for a reward model; its learning-rate
+    schedule spans ``steps`` optimizer steps) and the reference."""
 
     def strategy(world: int, *, frozen: bool) -> Any:
         return group_strategy(
@@ -106,6 +107,7 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role) -> Groups:
             grad_accum_steps=cfg.grad_accum_steps,
             seed=cfg.train.seed,
             frozen=frozen,
+            lr_schedule=None if frozen else cfg.model.lr_schedule(cfg.learning_rate, steps),
         )
 
     w, path = cfg.model.world_size, str(r.model_dir)
@@ -203,13 +205,13 @@ def run_command(
         cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin
     )
     with setup.start() as r:
-        groups = _start_groups(cfg, r, role=role)
+        steps = total_steps(cfg, len(train_items))
+        groups = _start_groups(cfg, r, role=role, steps=steps)
         layouts = {"model": groups.model.layouts()}
         objective = make_objective(groups)
         state = r.resume({"model": groups.model}, RunState(cursor=PromptCursor()))
         train_items, eval_items = objective.prepare(train_items, eval_items)
         train_set = ExampleSet(items=train_items, seed=cfg.train.seed, cursor=state.cursor)
-        steps = total_steps(cfg, len(train_items))
         tracker = r.start_tracker(total_steps=steps, state=state, display=objective.display)
         schedule = EvalSchedule(every=cfg.eval.every if eval_items else 0, last_step=steps)
 

@@ -41,6 +41,10 @@ class Components:
     engines: EngineClient
     sync: EngineWeightSync
 
+    def scorers(self) -> dict[str, LearnerGroup | None]:
+        """The groups the experience stage runs forwards on (``make_experience``'s keywords)."""
+        return {"actor": self.actor, "ref": self.ref, "critic": self.critic}
+
     def groups(self) -> dict[str, LearnerGroup]:
         """Every running learner group by role."""
         named = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward", self.reward))
@@ -54,8 +58,9 @@ class Components:
 def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
     """One spec per group the plan places."""
 
-    def strategy(lr: float, world: int, *, frozen: bool = False) -> Any:
-        per_rank = cfg.samples_per_step // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
+    def strategy(lr: float, world: int, *, frozen: bool = False, trained: Any = None) -> Any:
+        per_rank = cfg.optimizer_batch_size // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
+        total = cfg.total_optimizer_steps
         return group_strategy(
             cfg.ds,
             lr=lr,
@@ -63,6 +68,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             grad_accum_steps=per_rank,
             seed=cfg.train.seed,
             frozen=frozen,
+            lr_schedule=trained.lr_schedule(lr, total) if trained is not None else None,
         )
 
     a, t = cfg.actor, cfg.rollout.temperature
@@ -71,7 +77,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             role="actor",
             model_path=path,
             world_size=a.world_size,
-            strategy=strategy(a.lr, a.world_size),
+            strategy=strategy(a.lr, a.world_size, trained=a),
             model=a.model,
             lora=a.lora,
             temperature=t,
@@ -84,7 +90,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             role="critic",
             model_path=c.pretrain or path,
             world_size=w,
-            strategy=strategy(c.lr, w),
+            strategy=strategy(c.lr, w, trained=c),
             model=c.model,
         )
     if plan.group("ref"):
@@ -116,11 +122,18 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
         max_model_len=cfg.vllm.max_model_len,
         worker_extension_cls=WORKER_EXTENSION[cfg.rollout.backend],
     )
+    dtype = cfg.vllm.dtype
+    if dtype == "auto":
+        dtype = "auto" if gpu else {"bf16": "bfloat16", "fp32": "float32"}[cfg.ds.precision]
     if cfg.rollout.backend == "transformers":
-        return {**common, "dtype": "float32", "device": "cuda" if gpu else "cpu"}
+        return {
+            **common,
+            "dtype": "float32" if dtype == "auto" else dtype,
+            "device": "cuda" if gpu else "cpu",
+        }
     out = {
         **common,
-        "dtype": "auto" if gpu else "float32",
+        "dtype": dtype,
         "seed": cfg.train.seed,
         "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
     }

@@ -64,7 +64,7 @@ def warmup(cfg: PPOConfig, actor: Any, tokenizer: Any) -> None:
                 weight_version=0,
             )
         )
-    per_step = cfg.samples_per_step
+    per_step = cfg.optimizer_batch_size  # one optimizer step of the actor each
     g = torch.Generator().manual_seed(cfg.train.seed)
     for _ in range(cfg.train.warmup_sft_steps):
         idx = torch.randint(len(samples), (per_step,), generator=g).tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rlhf_algos import (
@@ -31,26 +32,46 @@ class Experience:
 
     samples: list[Sample]
     kl_mean: float | None
-    """Mean per-token KL to the reference over the sampled tokens (None without a reference)."""
+    """Mean per-token KL to the reference over the sampled tokens (None without a reference, or when the
+    old-policy forward was skipped: the update step measures it then)."""
     kl_coef: float
-    logp_mismatch_mean: float
-    logp_mismatch_max: float
+    with_reference: bool
+    logp_mismatch_mean: float | None
+    """Engine-vs-learner log-prob gap on the sampled tokens (None when the old-policy forward was
+    skipped: the update step measures it then)."""
+    logp_mismatch_max: float | None
     advantage_mean: float
     advantage_abs_mean: float
-    forward_s: float
-    """Seconds of the actor's and critic's forwards (the reference's are ``reference_s``)."""
+    old_policy_s: float
+    """Seconds of the actor's old-policy forward (0 when skipped)."""
     reference_s: float
+    values_s: float
+    """Seconds of the critic's forward."""
+    advantages_s: float
+
+    @property
+    def forward_s(self) -> float:
+        """The actor's and critic's forwards (the learner's share of this stage)."""
+        return self.old_policy_s + self.values_s
 
     def metrics(self) -> dict[str, float]:
         out = {
-            "sync/logp_mismatch_mean": self.logp_mismatch_mean,
-            "sync/logp_mismatch_max": self.logp_mismatch_max,
             "advantages/mean": self.advantage_mean,
             "advantages/abs_mean": self.advantage_abs_mean,
             "time/reference": self.reference_s,
+            "time/old_policy": self.old_policy_s,
+            "time/values": self.values_s,
+            "time/advantages": self.advantages_s,
         }
+        if self.logp_mismatch_mean is not None:
+            out |= {
+                "sync/logp_mismatch_mean": self.logp_mismatch_mean,
+                "sync/logp_mismatch_max": self.logp_mismatch_max,
+            }
         if self.kl_mean is not None:
-            out |= {"policy/kl": self.kl_mean, "policy/kl_coef": self.kl_coef}
+            out["policy/kl"] = self.kl_mean
+        if self.with_reference:
+            out["policy/kl_coef"] = self.kl_coef
         return out
 
 
@@ -61,13 +82,47 @@ def make_kl_controller(kl: KLConfig, *, value: float) -> AdaptiveKLController | 
     return FixedKLController(value=value)
 
 
-def _score(group: ScoringGroup | None, seqs: list[torch.Tensor], cfg: PPOConfig) -> tuple[list | None, float]:
-    """``group``'s per-sequence forward (None without a group) and its seconds."""
-    t0 = time.perf_counter()
-    if group is None:
-        return None, 0.0
-    out = group.forward(seqs, micro_batch_size=cfg.train.micro_batch_size, packing=cfg.train.packing)
-    return out, time.perf_counter() - t0
+def _scores(
+    groups: Sequence[ScoringGroup | None], seqs: list[torch.Tensor], cfg: PPOConfig, *, concurrent: bool
+) -> list[tuple[list | None, float]]:
+    """Each group's per-sequence forward (None for a missing group) and its seconds: one after the other
+    (each then has the cores or devices to itself), or all started at once when ``concurrent``."""
+    kw = {"micro_batch_size": cfg.train.micro_batch_size, "packing": cfg.train.packing}
+    out: list[tuple[list | None, float]] = []
+    if concurrent:
+        t0 = time.perf_counter()
+        waits = [g.submit_forward(seqs, **kw) if g is not None else None for g in groups]
+        for wait in waits:
+            out.append((wait(), time.perf_counter() - t0) if wait is not None else (None, 0.0))
+        return out
+    for g in groups:
+        t0 = time.perf_counter()
+        out.append((g.forward(seqs, **kw), time.perf_counter() - t0) if g is not None else (None, 0.0))
+    return out
+
+
+def _advantages(
+    cfg: PPOConfig,
+    samples: Sequence[Sample],
+    mask: torch.Tensor,
+    *,
+    kl: Any,
+    with_values: bool,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of the configured estimator (rlhf-algos), each ``[B, T]``."""
+    a = cfg.algo.advantage
+    inputs = AdvantageInputs(
+        scores=torch.tensor([s.reward for s in samples]),
+        mask=mask,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        kl=kl,
+        values=pad_stack([s.values for s in samples]) if with_values else None,
+    )
+    shaping = kl_coef if cfg.algo.kl.reward_penalty else 0.0
+    return compute_advantages(
+        a.estimator, inputs, gamma=a.gamma, lam=a.lam, kl_coef=shaping, reward_clip=a.reward_clip
+    )
 
 
 def make_experience(
@@ -78,49 +133,44 @@ def make_experience(
     ref: ScoringGroup | None,
     critic: ScoringGroup | None,
     kl_coef: float,
+    concurrent: bool = False,
 ) -> Experience:
+    """Score the samples and compute advantages and returns. The old-policy forward is skipped when the
+    update is exactly on-policy (``PPOConfig.exactly_on_policy``): the update step then uses the current
+    log-probs, detached, and measures the KL and the engine gap itself. ``concurrent``: the groups sit on
+    different devices, so their forwards overlap."""
     seqs = [s.token_ids for s in samples]
-    old, t_actor = _score(actor, seqs, cfg)
-    ref_logp, t_ref = _score(ref, seqs, cfg)
-    values, t_critic = _score(critic, seqs, cfg)
+    groups = (None if cfg.exactly_on_policy else actor, ref, critic)
+    (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, cfg, concurrent=concurrent)
     for i, s in enumerate(samples):
-        s.old_logp = old[i]
+        s.old_logp = old[i] if old is not None else None
         if ref_logp is not None:
             s.ref_logp = ref_logp[i]
         if values is not None:
             s.values = values[i]
+    t0 = time.perf_counter()
     mask = pad_stack([s.action_mask for s in samples])
-    old_t = pad_stack([s.old_logp for s in samples])
-    kl = (
-        approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator)
-        if ref is not None
-        else None
-    )
-    adv, ret = compute_advantages(
-        cfg.algo.advantage.estimator,
-        AdvantageInputs(
-            scores=torch.tensor([s.reward for s in samples]),
-            mask=mask,
-            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-            kl=kl,
-            values=pad_stack([s.values for s in samples]) if critic is not None else None,
-        ),
-        gamma=cfg.algo.advantage.gamma,
-        lam=cfg.algo.advantage.lam,
-        kl_coef=kl_coef if cfg.algo.kl.reward_penalty else 0.0,
-        reward_clip=cfg.algo.advantage.reward_clip,
-    )
+    old_t = pad_stack([s.old_logp for s in samples]) if old is not None else None
+    kl = None
+    if ref is not None and old_t is not None:
+        kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator)
+    adv, ret = _advantages(cfg, samples, mask, kl=kl, with_values=critic is not None, kl_coef=kl_coef)
     for i, s in enumerate(samples):
         s.advantages, s.returns = adv[i, : s.length].clone(), ret[i, : s.length].clone()
-    gap = (old_t - pad_stack([s.rollout_logp for s in samples])).abs()[mask.bool()]
+    gap = None
+    if old_t is not None:
+        gap = (old_t - pad_stack([s.rollout_logp for s in samples])).abs()[mask.bool()]
     return Experience(
         samples=list(samples),
         kl_mean=float(masked_mean(kl, mask)) if kl is not None else None,
         kl_coef=kl_coef,
-        logp_mismatch_mean=float(gap.mean()),
-        logp_mismatch_max=float(gap.max()),
+        with_reference=ref is not None,
+        logp_mismatch_mean=float(gap.mean()) if gap is not None else None,
+        logp_mismatch_max=float(gap.max()) if gap is not None else None,
         advantage_mean=float(masked_mean(adv, mask)),
         advantage_abs_mean=float(masked_mean(adv.abs(), mask)),
-        forward_s=t_actor + t_critic,
+        old_policy_s=t_actor,
         reference_s=t_ref,
+        values_s=t_critic,
+        advantages_s=time.perf_counter() - t0,
     )

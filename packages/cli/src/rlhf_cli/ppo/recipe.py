@@ -89,6 +89,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         kl_ctl = make_kl_controller(cfg.algo.kl, value=state.kl_coef)
         tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state)
         schedule = EvalSchedule(every=cfg.eval.every if eval_set else 0, last_step=cfg.train.num_steps)
+        gpu = r.plan.device == "cuda"  # groups on their own GPUs: their forwards overlap
 
         def evaluated(due: bool) -> dict[str, float]:
             return evaluate(cfg, make_executor, eval_set, c.reward) if due else {}
@@ -98,13 +99,13 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
             t0 = time.perf_counter()
             before = evaluated(schedule.before(step))
             batch = rollout.produce(step, weight_version=c.sync.version)  # engines -> rewards -> filter
-            exp = make_experience(
-                cfg, batch.samples, actor=c.actor, ref=c.ref, critic=c.critic, kl_coef=kl_ctl.value
-            )
-            upd = update(cfg, exp.samples, actor=c.actor, critic=c.critic, kl_coef=kl_ctl.value)
+            exp = make_experience(cfg, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu)
+            upd = update(cfg, exp.samples, actor=c.actor, critic=c.critic, kl_coef=kl_ctl.value, step=step)
             synced = c.sync.push(version=c.sync.version + 1)  # actor -> engines
             if cfg.algo.kl.enabled:
-                kl_ctl.update(exp.kl_mean or 0.0, len(exp.samples))
+                kl_ctl.update(
+                    exp.kl_mean if exp.kl_mean is not None else upd.kl_mean or 0.0, len(exp.samples)
+                )
             timing = {"time/learner": upd.seconds + exp.forward_s, "time/step": time.perf_counter() - t0}
             after = evaluated(schedule.after(step))
             state = RunState(

@@ -7,27 +7,51 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample, policy_batch, value_batch
 from rlhf_cli.runtime.protocols import PolicyGroup, ScoringGroup, ValueGroup
 from rlhf_cli.runtime.specs import PolicyLossSettings, ValueLossSettings
 from rlhf_learner import StepResult, balance_micro_batches
 
-__all__ = ["Updates", "micro_batches", "policy_settings", "update"]
+__all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "policy_settings", "update"]
 
 B = TypeVar("B")
 
 
 @dataclass(kw_only=True)
 class Updates:
-    """The step's last actor and critic results (one per PPO epoch is run) and the stage's seconds."""
+    """The step's actor and critic results (means over its optimizer steps) and the stage's seconds."""
 
     actor: StepResult
     critic: StepResult | None
-    seconds: float
+    optimizer_steps: int
+    actor_s: float
+    critic_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.actor_s + self.critic_s
+
+    on_policy: bool = False
+    """The old-policy forward was skipped: the step measured the KL and the engine gap."""
+
+    @property
+    def kl_mean(self) -> float | None:
+        """The KL loss term's mean per token (None when KL is no loss): with an exactly on-policy update
+        the step measures the KL the experience stage did not."""
+        return self.actor.metrics.get("kl")
 
     def metrics(self) -> dict[str, float]:
-        out = {"actor/loss": self.actor.loss, **{f"actor/{k}": v for k, v in self.actor.metrics.items()}}
+        a = dict(self.actor.metrics)
+        out = {"actor/loss": self.actor.loss, "actor/optimizer_steps": float(self.optimizer_steps)}
+        out |= {"time/actor_update": self.actor_s, "time/critic_update": self.critic_s}
+        if "logp_mismatch" in a:  # the engine's log-probs against the policy the update started from
+            out["sync/logp_mismatch_mean"] = a.pop("logp_mismatch")
+            out["sync/logp_mismatch_max"] = a.pop("logp_mismatch_max")
+        if self.on_policy and "kl" in a:
+            out["policy/kl"] = a["kl"]
+        out |= {f"actor/{k}": v for k, v in a.items()}
         if self.actor.grad_norm is not None:
             out["actor/grad_norm"] = self.actor.grad_norm
         if self.critic is not None:
@@ -36,6 +60,23 @@ class Updates:
                 **{f"critic/{k}": v for k, v in self.critic.metrics.items()},
             }
         return out
+
+
+def mean_result(results: Sequence[StepResult]) -> StepResult:
+    """The mean of several optimizer steps' results (``_max`` metrics: their maximum)."""
+    if len(results) == 1:
+        return results[0]
+    n = len(results)
+    metrics = {}
+    for k in results[0].metrics:
+        vals = [r.metrics[k] for r in results]
+        metrics[k] = max(vals) if k.endswith("_max") else sum(vals) / n
+    norms = [r.grad_norm for r in results if r.grad_norm is not None]
+    return StepResult(
+        loss=sum(r.loss for r in results) / n,
+        grad_norm=sum(norms) / len(norms) if norms else None,
+        metrics=metrics,
+    )
 
 
 def micro_batches(
@@ -81,8 +122,10 @@ def policy_settings(cfg: PPOConfig, *, kl_coef: float) -> PolicyLossSettings:
 def update_policy(
     cfg: PPOConfig, samples: Sequence[Sample], actor: PolicyGroup, *, kl_coef: float
 ) -> StepResult:
+    """One optimizer step of the actor on ``samples`` (a mini-batch)."""
     settings = policy_settings(cfg, kl_coef=kl_coef)
-    with_ref, with_rollout = settings.kl_loss_coef > 0, settings.is_correction != "none"
+    with_ref = settings.kl_loss_coef > 0
+    with_rollout = settings.is_correction != "none" or samples[0].old_logp is None  # the gap, measured here
     batches = micro_batches(
         samples,
         actor,
@@ -96,6 +139,7 @@ def update_policy(
 
 
 def update_critic(cfg: PPOConfig, samples: Sequence[Sample], critic: ValueGroup) -> StepResult:
+    """One optimizer step of the critic on ``samples`` (a mini-batch)."""
     batches = micro_batches(
         samples,
         critic,
@@ -106,6 +150,17 @@ def update_critic(cfg: PPOConfig, samples: Sequence[Sample], critic: ValueGroup)
     return critic.train_value(batches, settings=ValueLossSettings(clip_eps=cfg.algo.clip.value_eps))
 
 
+def mini_batches(cfg: PPOConfig, samples: Sequence[Sample], *, step: int, epoch: int) -> list[list[Sample]]:
+    """``samples`` cut into mini-batches of ``--train.batch_size`` after a shuffle seeded by the run's
+    seed, the step and the pass (no shuffle when the whole batch is one mini-batch)."""
+    size = cfg.optimizer_batch_size
+    if size >= len(samples):
+        return [list(samples)]
+    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1_009 + epoch)
+    order = torch.randperm(len(samples), generator=g).tolist()
+    return [[samples[i] for i in order[lo : lo + size]] for lo in range(0, len(samples), size)]
+
+
 def update(
     cfg: PPOConfig,
     samples: Sequence[Sample],
@@ -113,12 +168,24 @@ def update(
     actor: PolicyGroup,
     critic: ValueGroup | None,
     kl_coef: float,
+    step: int = 0,
 ) -> Updates:
-    """``--train.ppo_epochs`` passes of the actor (and critic) update over the samples."""
-    t0 = time.perf_counter()
-    actor_res, critic_res = None, None
-    for _ in range(cfg.train.ppo_epochs):
-        actor_res = update_policy(cfg, samples, actor, kl_coef=kl_coef)
-        if critic is not None:
-            critic_res = update_critic(cfg, samples, critic)
-    return Updates(actor=actor_res, critic=critic_res, seconds=time.perf_counter() - t0)
+    """``--train.ppo_epochs`` passes over the samples, one actor (and critic) optimizer step per
+    mini-batch (OpenRLHF's and verl's PPO semantics)."""
+    actor_results, critic_results, seconds = [], [], [0.0, 0.0]
+    for epoch in range(cfg.train.ppo_epochs):
+        for part in mini_batches(cfg, samples, step=step, epoch=epoch):
+            t0 = time.perf_counter()
+            actor_results.append(update_policy(cfg, part, actor, kl_coef=kl_coef))
+            t1 = time.perf_counter()
+            if critic is not None:
+                critic_results.append(update_critic(cfg, part, critic))
+            seconds[0], seconds[1] = seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1
+    return Updates(
+        actor=mean_result(actor_results),
+        critic=mean_result(critic_results) if critic_results else None,
+        optimizer_steps=len(actor_results),
+        actor_s=seconds[0],
+        critic_s=seconds[1],
+        on_policy=samples[0].old_logp is None,
+    )

@@ -111,7 +111,14 @@ class LearnerGroup:
         self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
     ) -> list[torch.Tensor]:
         """Per-sequence results (see ``LearnerWorker.forward``), each rank scoring its shard."""
-        return self._sharded(
+        return self.submit_forward(sequences, micro_batch_size=micro_batch_size, packing=packing)()
+
+    def submit_forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Start ``forward`` on every rank and return a call that waits for its results (so forwards of
+        groups on different devices overlap)."""
+        return self._submit(
             lambda w, a: w.forward.remote(**a, micro_batch_size=micro_batch_size, packing=packing),
             sequences=sequences,
         )
@@ -127,9 +134,15 @@ class LearnerGroup:
         )
 
     def _sharded(self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()) -> list[Any]:
-        """``call`` on contiguous shards of ``sequences`` (and ``masks``), one per rank, results in order.
-        Shards are padded (with copies of the first item, results dropped) to the same length, so every
-        rank makes the same number of forward calls: ZeRO-3 gathers parameters collectively in each."""
+        return self._submit(call, sequences=sequences, masks=masks)()
+
+    def _submit(
+        self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()
+    ) -> Callable[[], list[Any]]:
+        """``call`` on contiguous shards of ``sequences`` (and ``masks``), one per rank; the returned call
+        waits and gives the results in order. Shards are padded (with copies of the first item, results
+        dropped) to the same length, so every rank makes the same number of forward calls: ZeRO-3
+        gathers parameters collectively in each."""
         items = list(zip(sequences, masks, strict=True)) if masks else [(x, None) for x in sequences]
         shards = self.shards(items)
         longest = max(len(s) for s in shards)
@@ -140,10 +153,16 @@ class LearnerGroup:
             if masks:
                 a["masks"] = [m for _, m in padded]
             refs.append(call(w, a))
-        parts = self._get(refs)[:: self.block]  # every rank of a block returns the same (whole) results
-        return [
-            x for part, shard in zip(parts, shards[:: self.block], strict=True) for x in part[: len(shard)]
-        ]
+
+        def results() -> list[Any]:
+            parts = self._get(refs)[:: self.block]  # every rank of a block returns the same (whole) results
+            return [
+                x
+                for part, shard in zip(parts, shards[:: self.block], strict=True)
+                for x in part[: len(shard)]
+            ]
+
+        return results
 
     # --- updates: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result ---------
     def _step(self, per_rank: Sequence[list[Any]], call: Call) -> StepResult:
@@ -228,13 +247,15 @@ def launch_groups(
     groups: dict[str, LearnerGroup] = {}
     for name, spec in specs.items():
         bundle = plan.group(name).bundle
+        threads = plan.group(name).threads
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         groups[name] = LearnerGroup(
             spec,
             placement_group=pgs[name],
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
             timeout_s=timeout_s,
-            env_vars=worker_env(),
+            env_vars=env | worker_env(),  # a thread count the user exported wins
         )
         stop_at_exit(groups[name].shutdown)
         groups[name].start_setup()

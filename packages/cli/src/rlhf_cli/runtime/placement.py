@@ -5,7 +5,7 @@ it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
@@ -32,6 +32,8 @@ class GroupPlan:
     note: str = ""
     flags: tuple[str, ...] = ()
     """Flags that lower this group's memory (named when a GPU cannot hold it)."""
+    threads: int = 0
+    """torch threads of each learner rank (0: the group sets its own, e.g. engines)."""
 
     @property
     def memory_gib(self) -> float:
@@ -60,13 +62,30 @@ class Plan:
         ]
         for g in self.groups:
             bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
-            note = f"{g.note}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
+            threads = f"; {g.threads} thread(s) each" if g.threads else ""
+            note = f"{g.note}{threads}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
             lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
         if (e := self.group("engines")) is not None:
             sync = f"weight sync: actor rank 0 -> {e.processes} engine process(es) over {self.transport}"
             lines.append(sync)
         lines += self.notes
         return "\n".join(lines)
+
+
+def with_threads(
+    groups: list[GroupPlan],
+    per_node: dict[str, int],
+    resources: ClusterResources,
+    threads_per_rank: int | None,
+) -> list[GroupPlan]:
+    """Each learner group's torch threads per rank: ``--ray.threads_per_rank``, else its node's cores
+    divided by the group's ranks on the node (``per_node``): the stages of a synchronous step run one at a
+    time, so the group running owns the node's cores (a fractional Ray CPU would give it one thread)."""
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    return [
+        replace(g, threads=threads_per_rank or max(1, cores // per_node[g.name])) if g.name in per_node else g
+        for g in groups
+    ]
 
 
 def _parts_note(parts: dict[str, float]) -> str:
@@ -225,6 +244,9 @@ def make_offline_plan(
     load = (cfg.data.max_len, rows) if resources.gpus > 0 else None  # type: ignore[attr-defined]
     bundle = _bundle(resources, cfg.ray)
     groups = [_learner_group(s, sizes.of(s.name), cfg.ds, bundle, load) for s in specs]
+    shapes = {"model": cfg.model, "ref": getattr(cfg, "ref", None)}
+    per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
+    groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     _check_fits(groups, resources, cfg.ray, "the learner groups")
     return _plan(groups, resources, "none", sizes.actor.params)
 
@@ -266,6 +288,9 @@ def make_plan(
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
     load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None
     groups = [_learner_group(s, sizes.of(s.name), cfg.ds, per, load) for s in _ppo_learners(cfg)]
+    shapes = {"actor": cfg.actor, "critic": cfg.critic, "ref": cfg.ref, "reward": cfg.reward}
+    per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
+    groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     groups.append(_engines_group(cfg, sizes.of("engines"), per, resources))
     n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
     engines = f"--vllm.num_engines {n} x --vllm.tensor_parallel_size {tp} engine process(es)"

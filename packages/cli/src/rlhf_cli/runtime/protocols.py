@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
@@ -26,6 +26,12 @@ class ScoringGroup(Protocol):
     def forward(
         self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
     ) -> list[torch.Tensor]: ...
+
+    def submit_forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Start ``forward``; the returned call waits for its results."""
+        ...
 
 
 class PolicyGroup(ScoringGroup, Protocol):

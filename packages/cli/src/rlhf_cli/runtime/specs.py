@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
+from rlhf_learner.strategy import LRSchedule
 
 __all__ = [
     "DPOSettings",
@@ -119,13 +120,25 @@ class KTOSettings:
 
 
 def group_strategy(
-    ds: StrategyOptions, *, lr: float, micro_batch_size: int, grad_accum_steps: int, seed: int, frozen: bool
+    ds: StrategyOptions,
+    *,
+    lr: float,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    seed: int,
+    frozen: bool,
+    lr_schedule: LRSchedule | None = None,
 ) -> StrategyOptions:
     """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
     model) runs as ``StrategyOptions.for_inference`` says."""
     from dataclasses import replace
 
     options = replace(
-        ds, lr=lr, micro_batch_size=micro_batch_size, grad_accum_steps=max(1, grad_accum_steps), seed=seed
+        ds,
+        lr=lr,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=max(1, grad_accum_steps),
+        seed=seed,
+        lr_schedule=lr_schedule or LRSchedule(),
     )
     return options.for_inference() if frozen else options

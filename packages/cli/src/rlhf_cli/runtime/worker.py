@@ -3,6 +3,7 @@ keyword-only and typed: the driver calls them by name in code (``LearnerGroup``)
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -76,6 +77,8 @@ class LearnerWorker:
         from rlhf_learner import Strategy
 
         spec = self.spec
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the plan's threads (Ray's default is 1)
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         self.strategy = Strategy(spec.strategy)
         self.strategy.setup_distributed(
             rank=self.rank, world_size=spec.world_size, master_addr=master_addr, master_port=master_port

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -100,6 +101,15 @@ def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> li
     return t.tolist()
 
 
+def _all_reduce_max(values: list[float], group: Any, device: torch.device) -> list[float]:
+    if not values:
+        return []
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def masked_counts(mask: torch.Tensor) -> tuple[float, float]:
     """``count`` of :func:`run_window` for a ``[B, T]`` mask: masked tokens, and rows with at least one."""
     m = mask.bool()
@@ -124,7 +134,8 @@ def run_window(
     global counts (so summing micro-batch gradients and averaging over ranks gives the gradient of the
     whole step's loss). DeepSpeed's own ``1/gradient_accumulation_steps`` scaling is therefore off.
     ``metrics`` values are per-micro-batch sums (tensors) that are summed over the window and ranks and
-    divided by the global token count (names in ``token_metrics``) or sequence count (the others).
+    divided by the global token count (names in ``token_metrics``) or sequence count (the others);
+    names ending in ``_max`` are maxima instead (over the window and ranks, not divided).
     """
     _check_micro_batches(engine, micro_batches, batch_type)
     group = _dp_group(engine)
@@ -134,23 +145,27 @@ def run_window(
     counts = _window_counts(micro_batches, count, group, device, dp_size)
     total = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
+    maxes: dict[str, float] = {}
     for mb in micro_batches:
         loss, metrics = compute(mb, counts)
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
         total += loss.detach().double()
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().double().sum()
+            if k.endswith("_max"):
+                maxes[k] = max(maxes.get(k, -math.inf), float(v.detach().max()))
+            else:
+                sums[k] = sums.get(k, 0.0) + v.detach().double().sum()
     keys = sorted(sums)
     reduced = _all_reduce_sum([float(total)] + [float(sums[k]) for k in keys], group, device)
-    return StepResult(
-        loss=reduced[0] / dp_size,
-        grad_norm=_grad_norm(engine),
-        metrics={
-            k: v / max(counts.global_tokens if k in token_metrics else counts.global_seqs, 1.0)
-            for k, v in zip(keys, reduced[1:], strict=True)
-        },
+    out = {
+        k: v / max(counts.global_tokens if k in token_metrics else counts.global_seqs, 1.0)
+        for k, v in zip(keys, reduced[1:], strict=True)
+    }
+    out |= dict(
+        zip(sorted(maxes), _all_reduce_max([maxes[k] for k in sorted(maxes)], group, device), strict=True)
     )
+    return StepResult(loss=reduced[0] / dp_size, grad_norm=_grad_norm(engine), metrics=out)
 
 
 def _check_micro_batches(engine: TrainEngine, micro_batches: Sequence[Any], batch_type: type) -> None:

