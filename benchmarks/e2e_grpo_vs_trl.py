@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _grpo_work as work
 
+OURS_FLAGS: list[str] = []
+"""Extra `rlhf ppo` flags (--ours-flags)."""
+
 
 def run_ours(model: str, root: Path, steps: int) -> dict:
     from rlhf_cli.config import PPOConfig, build_config
@@ -38,7 +41,8 @@ def run_ours(model: str, root: Path, steps: int) -> dict:
     t0 = time.perf_counter()
     folder = work.build_model(model, root)
     prompts, reward = work.write_inputs(root / "inputs")
-    cfg = build_config(PPOConfig, work.ppo_flags(folder, prompts, reward, root / f"ours_{model}", steps))
+    flags = work.ppo_flags(folder, prompts, reward, root / f"ours_{model}", steps) + OURS_FLAGS
+    cfg = build_config(PPOConfig, flags)
     history = run(cfg).history
     total = time.perf_counter() - t0
     step_s = [r["time/step"] for r in history]
@@ -131,12 +135,14 @@ def main() -> None:
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trl-bf16", default="true", help="TRL's bf16 autocast (its fastest CPU setting at 23M)")
+    p.add_argument("--ours-flags", default="", help='extra rlhf ppo flags, e.g. "--ds.precision bf16"')
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
     p.add_argument("--root")
     a = p.parse_args()
     bf16 = a.trl_bf16.lower() == "true"
+    OURS_FLAGS.extend(a.ours_flags.split())
     if a.worker:
         root = Path(a.root)
         r = (
@@ -150,7 +156,7 @@ def main() -> None:
     for model in a.models.split(","):
         results[model] = {
             "trl": in_subprocess("trl", model, a.steps, ["--trl-bf16", a.trl_bf16]),
-            "ours": in_subprocess("ours", model, a.steps, []),
+            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={a.ours_flags}"]),
         }
     print(
         "\n| model | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours | reward curve TRL | reward curve ours |"
@@ -162,7 +168,7 @@ def main() -> None:
         start = f"{r['trl']['startup_s']:.0f} s / {r['ours']['startup_s']:.0f} s"
         print(f"| {model} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {start} | {curves[0]} | {curves[1]} |")
     plot(results, Path(a.png))
-    print(f"\nreward curves: {a.png} (TRL bf16={bf16})")
+    print(f"\nreward curves: {a.png} (TRL bf16={bf16}; rlhf ppo flags: {a.ours_flags or 'defaults'})")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class VLLMConfig(Section):
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     enable_prefix_caching: bool = True
     """Reuse cached prompt KV (reset after every weight update)."""
+    enforce_eager: bool = False
+    """Run the engines' model eagerly: no torch.compile / CUDA graphs (on CPU no kernel compiles during
+    the first steps; on GPU slower decoding)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The engines' weights and activations; auto: the learners' --ds.precision on CPU (so the engine's
     log-probs match the learner's), the model's own dtype on GPU."""

@@ -137,6 +137,8 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
         "seed": cfg.train.seed,
         "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
     }
+    if cfg.vllm.enforce_eager:
+        out["engine_kwargs"] = {"enforce_eager": True}
     if gpu:
         out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
     return out
