@@ -43,14 +43,19 @@ class TrainedGroup(GroupShape):
     """A group that trains: its learning-rate schedule (stepped per optimizer step)."""
 
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate after the warmup: constant, or decayed linearly or along a cosine to min_lr by the
-    last optimizer step."""
+    """Learning rate after the warmup: constant, or decayed linearly or along a cosine towards min_lr
+    (reached at the step after the run's last)."""
     lr_warmup_ratio: float = Field(0.0, ge=0, le=1)
     """Linear warmup over this fraction of the run's optimizer steps."""
     lr_warmup_steps: int | None = Field(None, ge=0)
     """Linear warmup over this many optimizer steps (overrides lr_warmup_ratio)."""
     min_lr: float = Field(0.0, ge=0)
     """Floor of the linear and cosine decay."""
+
+    @property
+    def lr_scheduled(self) -> bool:
+        """The learning rate follows a schedule whose curve depends on the run's length."""
+        return self.lr_scheduler != "constant" or bool(self.lr_warmup_steps) or self.lr_warmup_ratio > 0
 
     def lr_schedule(self, lr: float, total_steps: int) -> LRSchedule:
         """The schedule over ``total_steps`` optimizer steps from the peak ``lr``."""

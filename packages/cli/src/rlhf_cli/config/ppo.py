@@ -83,12 +83,16 @@ class PPOConfig(Section):
         """Optimizer steps each training step takes (per trained group)."""
         return self.train.ppo_epochs * (self.samples_per_step // self.optimizer_batch_size)
 
-    @property
-    def total_optimizer_steps(self) -> int:
-        """Optimizer steps of the whole run per trained group (the demo's warm-up SFT steps count too):
-        what the learning-rate schedules span."""
-        warmup = self.train.warmup_sft_steps if self.warmup_runs else 0
+    def total_optimizer_steps(self, group: str) -> int:
+        """Optimizer steps of the whole run of ``group`` (actor or critic): what its learning-rate schedule
+        spans (the actor's include the built-in demo's warm-up SFT steps)."""
+        warmup = self.train.warmup_sft_steps if self.warmup_runs and group == "actor" else 0
         return self.train.num_steps * self.optimizer_steps_per_step + warmup
+
+    @property
+    def lr_scheduled(self) -> bool:
+        """A trained group's learning rate follows a schedule (its curve depends on the run's length)."""
+        return self.actor.lr_scheduled or (self.uses_critic and self.critic.lr_scheduled)
 
     @property
     def exactly_on_policy(self) -> bool:
@@ -99,7 +103,7 @@ class PPOConfig(Section):
     @property
     def grad_accum_steps(self) -> int:
         return (
-            self.samples_per_step
+            self.optimizer_batch_size
             // data_parallel_size(self.actor.world_size, self.ds)
             // self.train.micro_batch_size
         )
@@ -164,7 +168,7 @@ class PPOConfig(Section):
             check_split(n, what, self.ref.world_size, "reference", self.ds, None)
         for name, group in (("actor", self.actor), ("critic", self.critic)):
             try:
-                group.lr_schedule(group.lr, self.total_optimizer_steps)
+                group.lr_schedule(group.lr, self.total_optimizer_steps(name))
             except ValueError as err:
                 raise ValueError(f"--{name}.{err}") from None
         return self

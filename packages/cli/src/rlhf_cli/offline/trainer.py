@@ -15,7 +15,7 @@ from rlhf_cli.config import OfflineConfig
 from rlhf_cli.data.examples import ExampleSet, split_heldout
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
-from rlhf_cli.runtime.checkpoint import RunState
+from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups
 from rlhf_cli.runtime.model_sizes import ModelSizes
@@ -196,9 +196,9 @@ def run_command(
     from transformers import AutoTokenizer
 
     # ---- set-up -------------------------------------------------------------------------------
-    setup = prepare_run(
-        cfg, pretrain=cfg.model.pretrain, plan_for=functools.partial(_plan_for, cfg, with_ref)
-    )
+    plan_for = functools.partial(_plan_for, cfg, with_ref)
+    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled)
+    setup = prepare_run(cfg, pretrain=cfg.model.pretrain, plan_for=plan_for, resumable=resumable)
     _check_ref_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_items, eval_items = load_examples(

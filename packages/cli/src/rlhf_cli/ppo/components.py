@@ -60,7 +60,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
 
     def strategy(lr: float, world: int, *, frozen: bool = False, trained: Any = None) -> Any:
         per_rank = cfg.optimizer_batch_size // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
-        total = cfg.total_optimizer_steps
+        total = cfg.total_optimizer_steps("actor" if trained is cfg.actor else "critic")
         return group_strategy(
             cfg.ds,
             lr=lr,

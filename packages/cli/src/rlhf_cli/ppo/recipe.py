@@ -19,7 +19,7 @@ from rlhf_cli.ppo.rewards import RewardStage
 from rlhf_cli.ppo.rollout import RolloutStage
 from rlhf_cli.ppo.sources import executor_factory
 from rlhf_cli.ppo.updates import update
-from rlhf_cli.runtime.checkpoint import RESUMABLE_CHANGES, RunState
+from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_plan
@@ -29,9 +29,6 @@ from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
 __all__ = ["PPOResult", "plan", "run"]
-
-RESUMABLE = (*RESUMABLE_CHANGES, "eval.path")
-"""What a resumed ``rlhf ppo`` may change (the evaluation prompts too: they are not part of training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +72,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
-    setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=RESUMABLE)
+    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",))  # eval: not training
+    setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up

@@ -17,7 +17,14 @@ from rlhf_cli.config.loading import flat_items
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.runtime.group import LearnerGroup
 
-__all__ = ["RunState", "check_resumable", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "RunState",
+    "check_resumable",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resumable_changes",
+    "save_checkpoint",
+]
 
 STATE_FILE = "run_state.json"
 
@@ -49,8 +56,16 @@ RESUMABLE_CHANGES = (
     "eval.pass_threshold",
     "weightsync.timeout_s",
 )
-"""Settings a resumed run may change; every other one must equal the checkpoint's. (``rlhf ppo`` may
+"""Settings a resumed run may change; every other one must equal the checkpoint's (the step counts only
+without a learning-rate schedule: ``resumable_changes``). (``rlhf ppo`` may
 also change ``eval.path``; for the offline commands it decides the held-out split.)"""
+
+
+def resumable_changes(*, lr_scheduled: bool, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``RESUMABLE_CHANGES`` plus ``extra``, less the run's length when a learning-rate schedule spans it
+    (a resumed run with another length would follow another curve from the checkpoint's step on)."""
+    keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k.startswith("train.")))
+    return (*keep, *extra)
 
 
 def check_compatible(

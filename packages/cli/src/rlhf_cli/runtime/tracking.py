@@ -83,21 +83,21 @@ class Tracker:
         self.path = self.run_dir / "metrics.jsonl"
         self.history = self._load(resume_step)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(
-                str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
-            )
+        self.tb, self._progress = None, None
         self.wandb, self._wandb_id = None, wandb_id
         if wandb_project:
             try:
                 import wandb
             except ImportError:
                 raise ValueError("--logger.wandb_project: install the rlhf-cli[wandb] extra") from None
-            resume = {"id": wandb_id, "resume": "must"} if wandb_id else {}
+            resume = {"id": wandb_id, "resume": "allow"} if wandb_id else {}
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir), **resume)
+        if tensorboard:  # after W&B: a W&B start-up error leaves nothing open
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
         self.total = total_steps
         self._progress = None
         if progress:
