@@ -11,6 +11,7 @@ import functools
 import statistics
 import time
 
+import _summary
 import torch
 from rlhf_algos import gae
 
@@ -43,11 +44,13 @@ def median_time(fn, repeats):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--time-len", default="1024,8192", help="sequence lengths (batch 256)")
+    _summary.add_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, float32, gamma=0.99 lam=0.95")
     print(f"{'shape':>14} {'loop (ms)':>10} {'gae (ms)':>10} {'speed-up':>9} {'max rel diff':>13}")
-    for batch, time_len in ((256, 1024), (256, 8192)):
+    for batch, time_len in ((256, int(t)) for t in args.time_len.split(",")):
         rewards = torch.randn(batch, time_len)
         values = torch.randn(batch, time_len)
         lengths = torch.randint(time_len // 4, time_len + 1, (batch,))
@@ -68,6 +71,13 @@ def main() -> None:
         print(
             f"{batch:>5} x {time_len:<6} {t_loop * 1e3:>10.1f} {t_ours * 1e3:>10.1f} "
             f"{t_loop / t_ours:>8.1f}x {rel:>13.2e}"
+        )
+        _summary.ratio_row(
+            args.summary,
+            f"algos: gae vs a Python loop ({batch} x {time_len})",
+            t_loop / t_ours,
+            1.0,
+            f"max rel. diff {rel:.0e}",
         )
 
 

@@ -29,6 +29,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _grpo_work as work
+import _summary
 
 OURS_FLAGS: list[str] = []
 """Extra `rlhf ppo` flags (--ours-flags)."""
@@ -114,6 +115,10 @@ def in_subprocess(framework: str, model: str, steps: int, extra: list[str]) -> d
         return json.loads(out.read_text())
 
 
+TARGETS = {"tiny": 1.0, "small": 2.0}
+"""The speed targets: ours at least as fast as TRL at 0.4M, twice as fast at 23M."""
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -140,6 +145,7 @@ def main() -> None:
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
     p.add_argument("--root")
+    _summary.add_argument(p)
     a = p.parse_args()
     bf16 = a.trl_bf16.lower() == "true"
     OURS_FLAGS.extend(a.ours_flags.split())
@@ -167,6 +173,9 @@ def main() -> None:
         curves = [" ".join(f"{x:.2f}" for x in r[k]["reward"]) for k in ("trl", "ours")]
         start = f"{r['trl']['startup_s']:.0f} s / {r['ours']['startup_s']:.0f} s"
         print(f"| {model} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {start} | {curves[0]} | {curves[1]} |")
+        detail = f"TRL {t:.2f} s, ours {o:.2f} s per step"
+        check = f"e2e GRPO {model} model: TRL s/step / ours"
+        _summary.ratio_row(a.summary, check, t / o, TARGETS.get(model), detail)
     plot(results, Path(a.png))
     print(f"\nreward curves: {a.png} (TRL bf16={bf16}; rlhf ppo flags: {a.ours_flags or 'defaults'})")
 

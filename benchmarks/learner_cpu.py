@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _summary
 import torch
 
 SEQS = 64
@@ -183,6 +184,7 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=0)
     ap.add_argument("--model", default="")
     ap.add_argument("--out", default="")
+    _summary.add_argument(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -225,6 +227,10 @@ def main() -> None:
         print(
             f"packed, same global batch: ZeRO-0 1 process x 1 thread {tps_z0:8.0f} tok/s   "
             f"ZeRO-3 2 ranks x 1 thread {tps_z3:8.0f} tok/s   ZeRO-3/ZeRO-0 = {tps_z3 / tps_z0:.2f}x"
+        )
+        _summary.ratio_row(args.summary, "learner: packed vs padded rows, tok/s", tps_pack / tps_pad, 1.0)
+        _summary.ratio_row(
+            args.summary, "learner: ZeRO-3 on 2 ranks vs ZeRO-0 in 1, tok/s", tps_z3 / tps_z0, 1.0
         )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _grpo_work as work
+import _summary
 
 STAGES = (
     "generation",
@@ -112,11 +113,22 @@ def main() -> None:
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--write-readme", action="store_true")
+    _summary.add_argument(p)
     a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = {m: profile(m, Path(tmp), a.steps, extra) for m in a.models.split(",")}
     text = table(results)
     print(text)
+    for model, r in results.items():
+        stages = ", ".join(f"{k} {r[k]:.2f}" for k in (*STAGES, "overhead") if r[k] >= 0.005)
+        busy = " ".join(f"{100 * b:.0f}%" for b in r["busy"])
+        _summary.row(
+            a.summary,
+            f"profile {model} model: s/step",
+            f"{r['step']:.2f} s ({stages}; busy {busy})",
+            "-",
+            "-",
+        )
     if a.write_readme:
         write_readme(text, extra)
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _summary
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    _summary.add_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: bench_model(name, Path(tmp), args) for name in args.models.split(",")}
@@ -236,6 +239,10 @@ def main() -> None:
         for a, b in pairs:
             if a in tps and b in tps:
                 print(f"  ratio tok/s  {a} / {b}: {tps[a] / tps[b]:.2f}")
+        for a, b in ((VLLM_OURS, RAW_VLLM_LOGPROBS), ("our transformers", "raw transformers")):
+            if a in tps and b in tps:
+                check = f"rollout {name}: {a} / {b}, tok/s"
+                _summary.ratio_row(args.summary, check, tps[a] / tps[b], 0.9)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import statistics
 import time
 from datetime import timedelta
 
+import _summary
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -312,6 +313,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of sender and receivers")
     parser.add_argument("--receiver-threads", type=int, default=None, help="default: --threads")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    _summary.add_argument(parser)
     args = parser.parse_args()
     if args.receiver_threads is None:
         args.receiver_threads = args.threads
@@ -332,7 +334,11 @@ def main() -> None:
     without_ray = [m for m in chosen if m != OPENRLHF]
     if without_ray:
         print("\nPhase 1: no Ray running")
-        measure(model, without_ray, args)
+        med = measure(model, without_ray, args)
+        plain = med[f"memcpy ({args.threads} thr)"]
+        if "shm" in med:
+            check = f"weightsync shm -> model vs memcpy ({args.threads} thread)"
+            _summary.ratio_row(args.summary, check, plain / med["shm"], 0.5)
     if OPENRLHF in chosen:
         import ray
 
@@ -340,12 +346,16 @@ def main() -> None:
         # own, against the bucketed and the plain per-parameter sync under the same load.
         print("\nPhase 2: a local Ray instance running (OpenRLHF's protocol calls a Ray actor per parameter)")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        measure(model, [m for m in ("gloo", "per-param gloo", OPENRLHF) if m in chosen], args)
+        med = measure(model, [m for m in ("gloo", "per-param gloo", OPENRLHF) if m in chosen], args)
         ray.shutdown()
+        if "gloo" in med:
+            check = "weightsync gloo (buckets) vs OpenRLHF's per-parameter protocol"
+            _summary.ratio_row(args.summary, check, med[OPENRLHF] / med["gloo"], 3.0)
 
 
-def measure(model: dict[str, torch.Tensor], names: list[str], args) -> None:
-    """Time the memcpy limits and every method in ``names``, interleaved per round; print a table."""
+def measure(model: dict[str, torch.Tensor], names: list[str], args) -> dict[str, float]:
+    """Time the memcpy limits and every method in ``names``, interleaved per round; print a table and
+    return the median seconds by row."""
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     default_threads = torch.get_num_threads()
     dst = make_model("zeros")
@@ -404,6 +414,7 @@ def measure(model: dict[str, torch.Tensor], names: list[str], args) -> None:
     print(
         f"checksum, one pass over the model on {args.threads} thread(s): {nbytes / med['checksum'] / 1e9:.1f} GB/s"
     )
+    return med
 
 
 if __name__ == "__main__":

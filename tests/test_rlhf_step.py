@@ -26,7 +26,12 @@ def vllm_engine(tiny_model_dir):
     from rlhf_rollout import VLLMEngine
 
     engine = VLLMEngine(
-        model=str(tiny_model_dir), dtype="float32", max_model_len=256, seed=0, worker_extension_cls=EXTENSION
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        worker_extension_cls=EXTENSION,
+        engine_kwargs={"enforce_eager": True},  # no torch.compile start-up
     )
     yield engine
     engine.shutdown()

@@ -49,6 +49,7 @@ def shared_engines(ray_cluster, demo_model_dir):
             max_model_len=256,
             seed=0,
             worker_extension_cls=WORKER_EXTENSION["vllm"],
+            engine_kwargs={"enforce_eager": True},  # no torch.compile start-up (README's run compiles)
         ),
         num_cpus_per_engine=0.25,
         env_vars={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},

@@ -262,7 +262,13 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
     handles = create_engines(
         num_engines=1,
         backend="vllm",
-        engine_kwargs=dict(model=str(merged), dtype="float32", max_model_len=128, seed=0),
+        engine_kwargs=dict(
+            model=str(merged),
+            dtype="float32",
+            max_model_len=128,
+            seed=0,
+            engine_kwargs={"enforce_eager": True},
+        ),
         num_cpus_per_engine=0.25,
         env_vars={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
     )

@@ -19,7 +19,14 @@ from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
 from rlhf_cli.ppo.rollout import RolloutStage
 from rlhf_cli.ppo.updates import micro_batches, policy_settings, update
 from rlhf_cli.runtime.specs import GroupSpec
-from rlhf_learner import ModelOptions, PolicyBatch, StepResult, StrategyOptions, ValueBatch
+from rlhf_learner import (
+    ModelOptions,
+    NonFiniteLossError,
+    PolicyBatch,
+    StepResult,
+    StrategyOptions,
+    ValueBatch,
+)
 from rlhf_rollout import Trajectory
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,6 +420,30 @@ def test_update_without_critic_trains_only_the_actor():
     upd = update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0)
     assert len(actor.policy_calls) == 3 and upd.critic is None
     assert not any(k.startswith("critic/") for k in upd.metrics())
+
+
+def test_a_non_finite_loss_on_a_rank_fails_the_run_naming_step_epoch_and_mini_batch():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--train.ppo_epochs", "2",
+    )  # fmt: skip
+    actor = actor_group()
+    good = actor.train_policy
+
+    def second_call_fails(per_rank, *, settings):
+        if actor.policy_calls:
+            raise NonFiniteLossError(
+                "micro-batch 1 of 1: loss nan is not finite; the optimizer step was not taken"
+            )
+        return good(per_rank, settings=settings)
+
+    actor.train_policy = second_call_fails
+    with pytest.raises(NonFiniteLossError) as err:
+        update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0, step=7)
+    assert str(err.value) == (
+        "step 7, epoch 2, mini-batch 1: actor micro-batch 1 of 1: loss nan is not finite; "
+        "the optimizer step was not taken"
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

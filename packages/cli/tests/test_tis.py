@@ -6,7 +6,6 @@ written out by hand here."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,45 +16,14 @@ from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.losses import policy_step_args
 from rlhf_cli.runtime.specs import PolicyLossSettings
 from rlhf_learner import PolicyBatch, ppo_actor_step
+from rlhf_testkit.engines import BigramEngine
 
 VOCAB = 6
 
 
-class Out(NamedTuple):
-    logp: torch.Tensor
-    entropy: torch.Tensor | None
-    aux_loss: torch.Tensor | None
-
-
-class BigramEngine(torch.nn.Module):
-    """What ``ppo_actor_step`` needs of a training engine (``rlhf_learner.TrainEngine``): a call giving
-    per-token log-probs, ``backward`` and ``step``. ``step`` leaves the weights alone, so the summed
-    gradient of the whole window stays in ``.grad`` to compare."""
-
-    def __init__(self, *, gas: int = 1, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.table = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64))
-        self.gas, self.device, self.steps = gas, torch.device("cpu"), 0
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
-        return Out(logp=self.logp(input_ids), entropy=None, aux_loss=None)
-
-    def logp(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T]``: log-prob of token ``t`` given token ``t - 1``; column 0 predicts nothing (0)."""
-        logsm = torch.log_softmax(self.table[ids[:, :-1]], dim=-1)
-        picked = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.gas
-
-    def backward(self, loss, *, scale_wrt_gas=True):
-        assert scale_wrt_gas is False
-        loss.backward()
-
-    def step(self):
-        self.steps += 1
+def bigram(**kw) -> BigramEngine:
+    """The test kit's bigram training engine over this module's vocabulary."""
+    return BigramEngine(VOCAB, **kw)
 
 
 def settings(
@@ -79,7 +47,7 @@ def settings(
 
 def run(s: PolicyLossSettings, batches: list[PolicyBatch], *, seed: int = 0):
     """``(StepResult, gradient)`` of one step on a fresh engine."""
-    engine = BigramEngine(gas=len(batches), seed=seed)
+    engine = bigram(gas=len(batches), seed=seed)
     res = ppo_actor_step(engine, batches, **policy_step_args(s))
     assert engine.steps == len(batches)
     return res, engine.table.grad.clone()
@@ -88,7 +56,7 @@ def run(s: PolicyLossSettings, batches: list[PolicyBatch], *, seed: int = 0):
 def by_hand(batches, *, weight, eps: float = 0.2, seed: int = 0):
     """Token-mean clipped surrogate ``max(-A r, -A clip(r, 1 - eps, 1 + eps)) * w`` over every action
     token of the window, element by element, ``w = weight(old, rollout)``; its value and gradient."""
-    engine = BigramEngine(seed=seed)
+    engine = bigram(seed=seed)
     terms, tokens = [], 0
     for mb in batches:
         logp = engine.logp(mb.input_ids)
@@ -120,7 +88,7 @@ def batch(*, seed: int, rollout_shift, rows: int = 3, length: int = 6, prompt: i
     mask[:, prompt:] = True
     mask[0, -1] = False  # a row shorter than the others
     with torch.no_grad():
-        current = BigramEngine().logp(ids)
+        current = bigram().logp(ids)
     old = (current + 0.3 * (torch.rand(rows, length, generator=g, dtype=torch.float64) - 0.5)) * mask
     shift = torch.tensor(
         [[rollout_shift(b, t) for t in range(length)] for b in range(rows)], dtype=torch.float64
@@ -190,7 +158,7 @@ def test_tis_caps_one_tokens_weight_at_high(high):
     ids = torch.tensor([[1, 4, 2]])
     mask = torch.tensor([[False, False, True]])
     with torch.no_grad():
-        old = BigramEngine().logp(ids) * mask
+        old = bigram().logp(ids) * mask
     adv = mask.to(torch.float64)
     mb = PolicyBatch(
         input_ids=ids, action_mask=mask, old_logp=old, advantages=adv, rollout_logp=old - 5.0 * mask
@@ -239,7 +207,7 @@ class EngineActor:
 
     def train_policy(self, per_rank, *, settings):
         (mbs,) = per_rank
-        engine = BigramEngine(gas=len(mbs))
+        engine = bigram(gas=len(mbs))
         res = ppo_actor_step(engine, mbs, **policy_step_args(settings))
         self.results.append((res, engine.table.grad.clone(), mbs))
         return res
@@ -247,7 +215,7 @@ class EngineActor:
 
 def samples_for_update(seed: int) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
-    engine = BigramEngine()
+    engine = bigram()
     out = []
     for i, n in enumerate((5, 7, 4, 6)):
         ids = torch.randint(0, VOCAB, (n,), generator=g)

@@ -10,63 +10,31 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
 from rlhf_algos import aggregate_loss, policy_loss
-from rlhf_learner import PolicyBatch, ppo_actor_step
+from rlhf_learner import NonFiniteLossError, PolicyBatch, ppo_actor_step
+from rlhf_testkit.engines import BigramEngine
 
 VOCAB = 7
 TOKEN_MEAN = functools.partial(aggregate_loss, mode="token-mean")
 
 
-class Out(NamedTuple):
-    logp: torch.Tensor
-    entropy: torch.Tensor | None
-    aux_loss: torch.Tensor | None
-
-
-class BigramEngine(torch.nn.Module):
-    """What ``ppo_actor_step`` needs of a training engine: a call giving per-token log-probs,
-    ``backward`` and ``step``. ``step`` leaves the weights alone, so the summed gradient of the whole
-    window stays in ``.grad`` to compare."""
-
-    def __init__(self, *, gas: int = 1, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.table = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64))
-        self.gas, self.device, self.steps = gas, torch.device("cpu"), 0
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
-        return Out(logp=self.logp(input_ids), entropy=None, aux_loss=None)
-
-    def logp(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, T]``: log-prob of token ``t`` given token ``t - 1``; column 0 predicts nothing (0)."""
-        logsm = torch.log_softmax(self.table[ids[:, :-1]], dim=-1)
-        picked = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.gas
-
-    def backward(self, loss, *, scale_wrt_gas=True):
-        assert scale_wrt_gas is False
-        loss.backward()
-
-    def step(self):
-        self.steps += 1
+def bigram(**kw) -> BigramEngine:
+    """The test kit's bigram training engine over this module's vocabulary."""
+    return BigramEngine(VOCAB, **kw)
 
 
 def current_logp(ids: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """The (fresh) engine's log-probs of ``ids`` from a separate no-grad forward."""
     with torch.no_grad():
-        return BigramEngine(seed=seed).logp(ids)
+        return bigram(seed=seed).logp(ids)
 
 
 def run(batches: list[PolicyBatch], loss_fn=policy_loss, *, seed: int = 0, **kw):
     """``(StepResult, gradient)`` of one ``ppo_actor_step`` on a fresh engine (token-mean)."""
-    engine = BigramEngine(gas=len(batches), seed=seed)
+    engine = bigram(gas=len(batches), seed=seed)
     res = ppo_actor_step(engine, batches, policy_loss_fn=loss_fn, aggregate_fn=TOKEN_MEAN, **kw)
     assert engine.steps == len(batches)
     return res, engine.table.grad.clone()
@@ -119,7 +87,7 @@ def reference(
     gradient, clipped fraction)``. ``sequence``: GSPO-token, the ratio of every token of row ``i`` has
     the value ``s_i = exp(mean_t (logp - old))`` (masked tokens) and the gradient ``s_i * d logp_t``."""
     high = low if high is None else high
-    engine = BigramEngine(seed=seed)
+    engine = bigram(seed=seed)
     terms, clipped = [], 0
     for mb in batches:
         logp = engine.logp(mb.input_ids)
@@ -395,3 +363,43 @@ def test_no_logp_mismatch_metrics_without_rollout_logp():
     assert "logp_mismatch" not in res.metrics and "logp_mismatch_max" not in res.metrics
     res, _ = run(on_policy_batches(with_old=False, rollout=True))
     assert res.metrics["logp_mismatch"] > 0 and res.metrics["logp_mismatch_max"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# a non-finite loss never reaches the weights
+
+
+class SGDBigram(BigramEngine):
+    """A bigram engine whose ``step`` applies plain SGD at the end of each accumulation window."""
+
+    def step(self):
+        super().step()
+        if self.steps % self.gas == 0:
+            with torch.no_grad():
+                self.table -= 0.1 * self.table.grad
+            self.table.grad = None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_the_update_before_the_weights(bad):
+    ids, mask, g = rows(seed=3, n=4)
+    adv = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+    adv[2] = bad  # the second micro-batch's loss is not finite
+    batches = [
+        PolicyBatch(input_ids=ids[i : i + 2], action_mask=mask[i : i + 2], advantages=adv[i : i + 2])
+        for i in (0, 2)
+    ]
+    engine = SGDBigram(VOCAB, gas=2)
+    before = engine.table.detach().clone()
+    with pytest.raises(NonFiniteLossError, match=r"micro-batch 2 of 2: loss (nan|inf) is not finite"):
+        ppo_actor_step(engine, batches, policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
+    assert engine.steps == 1  # the first micro-batch only: the window's optimizer step never ran
+    assert torch.equal(engine.table.detach(), before)
+    ok = SGDBigram(VOCAB, gas=2)  # the same window without the bad value does update the weights
+    adv[2] = 1.0
+    fine = [
+        PolicyBatch(input_ids=ids[i : i + 2], action_mask=mask[i : i + 2], advantages=adv[i : i + 2])
+        for i in (0, 2)
+    ]
+    ppo_actor_step(ok, fine, policy_loss_fn=policy_loss, aggregate_fn=TOKEN_MEAN)
+    assert not torch.equal(ok.table.detach(), before)

@@ -73,6 +73,7 @@ def vllm_client(ray_cluster, tiny_model_dir):
             max_model_len=MAX_MODEL_LEN,
             seed=0,
             worker_extension_cls="_file_weight_ext.FileWeightExtension",
+            engine_kwargs={"enforce_eager": True},  # no torch.compile start-up
             **({"gpu_memory_utilization": 0.3} if ON_CUDA else {}),
         ),
         num_cpus_per_engine=0.5,

@@ -24,7 +24,12 @@ def llm(tiny_model_dir):
     from vllm import LLM
 
     engine = LLM(
-        model=str(tiny_model_dir), dtype="float32", max_model_len=256, seed=0, worker_extension_cls=EXT
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        worker_extension_cls=EXT,
+        enforce_eager=True,  # no torch.compile start-up: the weights path is what is tested
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()

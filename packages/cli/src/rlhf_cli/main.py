@@ -50,7 +50,7 @@ def _split_options(args: list[str]) -> tuple[dict, list[str]]:
                 i += 1
                 opts["config"] = Path(args[i])
             else:
-                raise typer.BadParameter("--config needs a file")
+                _fail("--config: needs a YAML file")
         else:
             rest.append(a)
         i += 1
@@ -101,7 +101,7 @@ def _config_command(
             typer.echo(dry_run(cfg))
             return
         typer.echo(execute(cfg))
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, FloatingPointError) as err:  # the last: a NaN loss
         if _from_a_ray_worker(err):
             raise  # a failure inside an actor: its traceback is the useful part
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
@@ -240,7 +240,10 @@ def serve_rm(ctx: typer.Context) -> None:
     def dry_run(cfg: Any) -> str:
         from rlhf_learner.models import check_model_dir
 
-        check_model_dir(cfg.reward.pretrain, need_causal_lm=False)
+        try:
+            check_model_dir(cfg.reward.pretrain, need_causal_lm=False)
+        except ValueError as err:
+            raise ValueError(f"--reward.pretrain: {err}") from None
         return f"would serve {cfg.reward.pretrain} on http://{cfg.serve.host}:{cfg.serve.port}/score"
 
     _config_command(ctx, ServeRMConfig, execute=execute, dry_run=dry_run)

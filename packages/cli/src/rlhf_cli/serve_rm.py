@@ -49,9 +49,11 @@ class RewardScorer:
         self, path: str | Path, *, batch_size: int = 16, max_len: int = 2048, device: str | None = None
     ):
         from rlhf_learner import load_reward_model
+        from rlhf_learner.models import check_model_dir
         from transformers import AutoTokenizer
 
         self.path = str(path)
+        check_model_dir(self.path, need_causal_lm=False)  # with its tokenizer: texts are tokenised here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_reward_model(self.path).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)

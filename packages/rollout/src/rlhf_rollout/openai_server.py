@@ -127,7 +127,10 @@ class OpenAIServer:
 
         async def handle(kind: str, session: str, request: Request):
             try:
-                body = await request.json()
+                try:
+                    body = await request.json()
+                except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+                    raise _BadRequest(f"request body is not JSON ({err})") from None
                 if not isinstance(body, dict):
                     raise _BadRequest("request body must be a JSON object")
                 return await self._serve(kind, session, body)
@@ -166,18 +169,33 @@ class OpenAIServer:
                     return body[name]
             return default
 
+        def typed(kind: type, *names: str, default):
+            """The field as ``kind``; a value of another type is refused naming the field."""
+            value = given(*names, default=default)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or (kind is int and isinstance(value, float) and not value.is_integer()):
+                field = next((n for n in names if body.get(n) is not None), names[0])
+                a = "an integer" if kind is int else "a number"
+                raise _BadRequest(f"'{field}' must be {a}, got {value!r:.60}")
+            return kind(value)
+
+        stop_ids = given("stop_token_ids", default=[])
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+        ):
+            raise _BadRequest(f"'stop_token_ids' must be a list of token ids, got {stop_ids!r:.60}")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise _BadRequest(f"'seed' must be an integer, got {seed!r:.60}")
+        fields = dict(
+            temperature=typed(float, "temperature", default=1.0),
+            top_p=typed(float, "top_p", default=1.0),
+            top_k=typed(int, "top_k", default=0),
+            max_new_tokens=typed(int, "max_tokens", "max_completion_tokens", default=self.default_max_tokens),
+            n=typed(int, "n", default=1),
+        )
         try:
-            return SamplingParams(
-                temperature=float(given("temperature", default=1.0)),
-                top_p=float(given("top_p", default=1.0)),
-                top_k=int(given("top_k", default=0)),
-                max_new_tokens=int(
-                    given("max_tokens", "max_completion_tokens", default=self.default_max_tokens)
-                ),
-                stop_token_ids=tuple(given("stop_token_ids", default=())),
-                seed=body.get("seed"),
-                n=int(given("n", default=1)),
-            )
+            return SamplingParams(**fields, stop_token_ids=tuple(stop_ids), seed=seed)
         except (TypeError, ValueError) as err:
             raise _BadRequest(f"bad sampling parameters: {err}") from err
 

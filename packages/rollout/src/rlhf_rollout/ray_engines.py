@@ -173,7 +173,9 @@ def _resolve_bundle_indices(
 
 def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) -> dict[str, Any]:
     """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
-    (and, when sharded, Ray as the default distributed executor)."""
+    and a default distributed executor: Ray when sharded, else ``"uni"`` (the worker runs inside the
+    engine core, which :func:`_actor_options` keeps inside the actor: no processes to spawn, no
+    shared-memory queues between them)."""
     kwargs = dict(engine_kwargs)
     if backend == "vllm":
         if kwargs.get("tensor_parallel_size", tp) != tp:
@@ -182,8 +184,7 @@ def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) 
                 f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
             )
         kwargs["tensor_parallel_size"] = tp
-        if tp > 1:
-            kwargs.setdefault("distributed_executor_backend", "ray")
+        kwargs.setdefault("distributed_executor_backend", "ray" if tp > 1 else "uni")
     return kwargs
 
 
@@ -205,6 +206,8 @@ def _actor_options(
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if backend == "vllm" and tp > 1:
         options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
+    if backend == "vllm" and tp == 1:  # the engine core runs in the actor's own process
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if placement_group is not None:
         assert bundles is not None
         if tp > 1:

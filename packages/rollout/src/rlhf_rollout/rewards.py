@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import importlib.util
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +47,14 @@ def _as_floats(value: Any, *, what: str, source: str, n: int) -> list[float]:
         value = value.tolist()
     if isinstance(value, (int, float)):
         raise ValueError(f"{source}: {what} is a single number; expected one per sample ({n})")
-    try:
-        out = [float(v) for v in value]
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: {what} must be a list of numbers, got {type(value).__name__}") from err
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{source}: {what} must be a list of numbers, got {type(value).__name__}")
+    out = []
+    for i, v in enumerate(value):
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {what} of sample {i} is {v!r:.60}, not a number") from None
     if len(out) != n:
         raise ValueError(f"{source}: {what} has {len(out)} values for {n} samples")
     for i, v in enumerate(out):
@@ -106,29 +113,77 @@ class RewardFunction:
     """``reward_func(queries, prompts, labels, **kwargs)`` (sync or async) as a reward source.
 
     ``queries`` are the decoded full texts (prompt + response), ``prompts`` the decoded prompts. The
-    function returns rewards, or ``{"rewards": ..., "scores": ..., "extra_logs": {...}}``.
+    function returns rewards, or ``{"rewards": ..., "scores": ..., "extra_logs": {...}}``. With
+    ``timeout_s``, a call that takes longer fails with a ``TimeoutError`` naming the function (a sync
+    function then runs in a daemon thread, which is abandoned, not stopped).
     """
 
     def __init__(
-        self, func: Callable[..., Any], *, name: str | None = None, kwargs: dict[str, Any] | None = None
+        self,
+        func: Callable[..., Any],
+        *,
+        name: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
     ):
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 (or None: no limit), got {timeout_s}")
         self.func = func
         self.name = name or getattr(func, "__qualname__", repr(func))
         self.kwargs = dict(kwargs or {})
+        self.timeout_s = timeout_s
 
     @classmethod
-    def from_file(cls, path: str | Path, *, kwargs: dict[str, Any] | None = None) -> RewardFunction:
-        return cls(load_reward_func(path), name=f"reward_func in {str(path)!r}", kwargs=kwargs)
+    def from_file(
+        cls, path: str | Path, *, kwargs: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> RewardFunction:
+        return cls(
+            load_reward_func(path), name=f"reward_func in {str(path)!r}", kwargs=kwargs, timeout_s=timeout_s
+        )
 
     async def ascore(
         self, *, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]
     ) -> RewardResult:
         args = (list(queries), list(prompts), list(labels))
+        timer = asyncio.timeout(self.timeout_s)
         try:
-            if inspect.iscoroutinefunction(self.func):
-                out = await self.func(*args, **self.kwargs)
-            else:
-                out = await asyncio.to_thread(self.func, *args, **self.kwargs)
+            async with timer:
+                if inspect.iscoroutinefunction(self.func):
+                    out = await self.func(*args, **self.kwargs)
+                elif self.timeout_s is None:
+                    out = await asyncio.to_thread(self.func, *args, **self.kwargs)
+                else:  # not the loop's executor: asyncio.run would wait for an abandoned call at exit
+                    out = await _in_daemon_thread(self.func, *args, **self.kwargs)
         except Exception as err:
+            if isinstance(err, TimeoutError) and timer.expired():
+                raise TimeoutError(
+                    f"{self.name} did not return within {self.timeout_s} s ({len(queries)} samples)"
+                ) from None
             raise RuntimeError(f"{self.name} raised {err!r}") from err
         return normalize_reward_output(out, n=len(queries), source=self.name)
+
+
+async def _in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` in a new daemon thread (the caller's context copied), awaited."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, err: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if err is not None:
+            done.set_exception(err)
+        else:
+            done.set_result(value)
+
+    def work() -> None:
+        try:
+            value, err = context.run(func, *args, **kwargs), None
+        except BaseException as e:  # handed to the awaiting task
+            value, err = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, value, err)
+
+    threading.Thread(target=work, name=f"reward-{getattr(func, '__name__', 'func')}", daemon=True).start()
+    return await done

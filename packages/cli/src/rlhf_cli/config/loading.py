@@ -236,10 +236,18 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _load_yaml(path: Path, cls: type[BaseModel]) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"--config: {str(path)!r} is a folder, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"--config: file {str(path)!r} does not exist")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}, line {line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""

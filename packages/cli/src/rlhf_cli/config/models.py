@@ -110,6 +110,8 @@ class RewardConfig(GroupShape):
     RLHF_REWARD_TOKEN is sent along."""
     timeout_s: float = Field(60.0, gt=0)
     """Timeout of each request to a remote reward endpoint."""
+    func_timeout_s: float | None = Field(None, gt=0)
+    """Seconds one reward_func call (one batch) may take, then the run fails naming it; unset: no limit."""
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:

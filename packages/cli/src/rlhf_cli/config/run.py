@@ -121,6 +121,9 @@ class DataConfig(Section):
     """Render prompts with the tokenizer's chat template."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many prompts."""
+    strict: bool = False
+    """Refuse a prompt that does not fit --vllm.max_model_len (default: skip it, count it in the log and the
+    summary)."""
 
 
 class EvalConfig(Section):

@@ -141,8 +141,22 @@ def _ids(out: Any) -> list[int]:
 
 def _rows(path: Path, flag: str) -> Iterator[tuple[_Source, dict]]:
     where, rows = read_rows(path, flag=flag)
-    for number, row in rows:
-        yield _Source(path, where, number), row
+    try:
+        for number, row in rows:
+            yield _Source(path, where, number), row
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}, line {_first_undecodable_line(path)}: not UTF-8 text") from None
+
+
+def _first_undecodable_line(path: Path) -> int:
+    """The number of the first line of ``path`` that is not UTF-8 (0 when every line decodes)."""
+    with Path(path).open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0
 
 
 def _get(row: dict, key: str, flag: str, src: _Source) -> Any:

@@ -74,8 +74,14 @@ def seeded_order(n: int, *, seed: int, epoch: int) -> list[int]:
 
 
 def _jsonl_rows(path: Path):
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: not UTF-8 text (byte {raw[err.start]:#04x})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -119,6 +125,8 @@ class PromptSet:
     labels: list[Any]
     seed: int
     cursor: PromptCursor = field(default_factory=PromptCursor)
+    skipped: list[int] = field(default_factory=list)
+    """Positions (in the source) of the prompts left out for not fitting the context."""
 
     @classmethod
     def from_records(
@@ -130,16 +138,36 @@ class PromptSet:
         seed: int,
         max_prompt_len: int,
         source: str,
+        strict: bool = False,
     ) -> PromptSet:
+        """Tokenise ``records``. A prompt of ``max_prompt_len`` tokens or more leaves no room to generate:
+        it is left out and counted in ``skipped`` (``strict``: refused, naming it); an empty one, or a
+        source left with no prompt, is refused."""
         ids = [encode_prompt(r.prompt, tokenizer, apply_chat_template=apply_chat_template) for r in records]
+        kept, skipped = [], []
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"{source}: prompt {i} is empty after tokenisation")
-            if len(p) >= max_prompt_len:
+            if len(p) < max_prompt_len:
+                kept.append(i)
+            elif strict:
                 raise ValueError(
-                    f"{source}: prompt {i} has {len(p)} tokens; --vllm.max_model_len {max_prompt_len} leaves no room"
+                    f"{source}: prompt {i} has {len(p)} tokens; --vllm.max_model_len {max_prompt_len} leaves "
+                    "no room (without --data.strict such prompts are skipped and counted)"
                 )
-        return cls(token_ids=ids, labels=[r.label for r in records], seed=seed)
+            else:
+                skipped.append(i)
+        if not kept:
+            raise ValueError(
+                f"{source}: all {len(ids)} prompts have {max_prompt_len} tokens or more "
+                f"(--vllm.max_model_len {max_prompt_len} leaves no room to generate)"
+            )
+        return cls(
+            token_ids=[ids[i] for i in kept],
+            labels=[records[i].label for i in kept],
+            seed=seed,
+            skipped=skipped,
+        )
 
     def next_batch(self, size: int) -> tuple[list[list[int]], list[Any]]:
         """The next ``size`` prompts (wrapping into a new epoch as needed) and their labels."""

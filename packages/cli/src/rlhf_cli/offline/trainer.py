@@ -177,7 +177,7 @@ def _check_ref_dir(cfg: OfflineConfig) -> None:
         from rlhf_learner.models import check_model_dir
 
         try:
-            check_model_dir(ref_dir)
+            check_model_dir(ref_dir, need_tokenizer=False)  # the policy's tokenizer is used
         except (ValueError, FileNotFoundError) as err:
             raise ValueError(f"--ref.pretrain: {err}") from None
 

@@ -8,11 +8,12 @@ from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.prompts import PromptSet, load_records
 from rlhf_cli.demo import task
 
-__all__ = ["load_prompts"]
+__all__ = ["load_prompts", "skipped_notes"]
 
 
 def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
-    """Training prompts and evaluation prompts (None when there are none to evaluate on)."""
+    """Training prompts and evaluation prompts (None when there are none to evaluate on). Prompts that do
+    not fit ``--vllm.max_model_len`` are skipped, counted and said (``--data.strict``: refused)."""
     limit = cfg.vllm.max_model_len
     if cfg.data.path is None:
         train = task.records(seed=cfg.train.seed)
@@ -35,8 +36,15 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
             flag="--eval.path",
         )
     chat = cfg.data.apply_chat_template
+    strict = cfg.data.strict
     train_set = PromptSet.from_records(
-        train, tokenizer, apply_chat_template=chat, seed=cfg.train.seed, max_prompt_len=limit, source=source
+        train,
+        tokenizer,
+        apply_chat_template=chat,
+        seed=cfg.train.seed,
+        max_prompt_len=limit,
+        source=source,
+        strict=strict,
     )
     eval_set = None
     if evals:
@@ -48,5 +56,22 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
             seed=cfg.train.seed,
             max_prompt_len=limit,
             source="evaluation prompts",
+            strict=strict,
         )
+    for line in skipped_notes(cfg, train_set, eval_set):
+        print(line)
     return train_set, eval_set
+
+
+def skipped_notes(cfg: PPOConfig, train: PromptSet, evals: PromptSet | None) -> list[str]:
+    """A line per prompt set that left prompts out for not fitting the context."""
+    limit = cfg.vllm.max_model_len
+    lines = []
+    for name, ps in (("training", train), ("evaluation", evals)):
+        if ps is not None and ps.skipped:
+            first = ", ".join(map(str, ps.skipped[:5])) + (", ..." if len(ps.skipped) > 5 else "")
+            lines.append(
+                f"skipped {len(ps.skipped)} {name} prompt(s) of {limit}+ tokens (--vllm.max_model_len "
+                f"{limit}; --data.strict refuses them): positions {first}"
+            )
+    return lines

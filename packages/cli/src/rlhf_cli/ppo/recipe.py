@@ -14,7 +14,7 @@ from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.ppo.components import Components, start_components
 from rlhf_cli.ppo.evaluation import evaluate, warmup
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller
-from rlhf_cli.ppo.prompts import load_prompts
+from rlhf_cli.ppo.prompts import load_prompts, skipped_notes
 from rlhf_cli.ppo.rewards import RewardStage
 from rlhf_cli.ppo.rollout import RolloutStage
 from rlhf_cli.ppo.sources import executor_factory
@@ -85,7 +85,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         rewards = RewardStage(cfg, reward_model=c.reward)
         rollout = RolloutStage(cfg, make_executor=make_executor, prompts=train_set, rewards=rewards)
         kl_ctl = make_kl_controller(cfg.algo.kl, value=state.kl_coef)
-        tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state)
+        notes = skipped_notes(cfg, train_set, eval_set)
+        tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state, notes=notes)
         schedule = EvalSchedule(every=cfg.eval.every if eval_set else 0, last_step=cfg.train.num_steps)
         gpu = r.plan.device == "cuda"  # groups on their own GPUs: their forwards overlap
 

@@ -68,7 +68,7 @@ def _reward_source(cfg: PPOConfig) -> Any:
         return RewardFunction(task.reward_func, name=f"built-in {task.TASK_NAME} reward")
     if cfg.reward.func is not None:
         try:
-            return RewardFunction.from_file(cfg.reward.func)
+            return RewardFunction.from_file(cfg.reward.func, timeout_s=cfg.reward.func_timeout_s)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             raise ValueError(f"--reward.func: {err}") from None
     if cfg.reward.remote_url:
@@ -131,7 +131,9 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
 
         return _PlainFactory(multi)
     reward = (
-        RewardFunction(agent.reward_func, name=f"reward_func in {path}") if agent else _reward_source(cfg)
+        RewardFunction(agent.reward_func, name=f"reward_func in {path}", timeout_s=cfg.reward.func_timeout_s)
+        if agent
+        else _reward_source(cfg)
     )
 
     def single(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:

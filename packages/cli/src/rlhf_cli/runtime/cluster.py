@@ -13,7 +13,17 @@ from rlhf_cli.config import OfflineConfig, PPOConfig
 if TYPE_CHECKING:
     from rlhf_cli.runtime.placement import Plan
 
-__all__ = ["ClusterResources", "PlacementGroups", "local_resources", "placement_groups", "start_ray"]
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Read by Ray once, when first imported: ``0`` makes a local cluster listen on loopback only."""
+
+__all__ = [
+    "LOOPBACK_ENV",
+    "ClusterResources",
+    "PlacementGroups",
+    "local_resources",
+    "placement_groups",
+    "start_ray",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,21 +60,25 @@ def local_resources(cfg: PPOConfig | OfflineConfig) -> ClusterResources:
 
 
 def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
-    """Join ``--ray.address`` / ``RAY_ADDRESS``, or start a local cluster on 127.0.0.1 (an already
-    initialised Ray in this process is used as it is). Returns the resources and whether this call
-    started Ray (so the recipe knows to stop it). For a local cluster, sets
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in ``os.environ`` unless already set (Ray reads it there).
-    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` must be set before Ray is first imported: the ``rlhf`` command
-    does it (``rlhf_cli.main``); a Python driver under ``uv run`` sets it itself."""
+    """Join ``--ray.address`` / ``RAY_ADDRESS``, or start a local cluster that listens on 127.0.0.1 only
+    (an already initialised Ray in this process is used as it is). Returns the resources and whether
+    this call started Ray (so the recipe knows to stop it).
+
+    Ray binds its servers to loopback only when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the
+    environment when ``ray`` is first imported: for a local cluster this sets it (unless set) before
+    importing Ray, and refuses to start one when Ray was imported earlier without it.
+    ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` must also be set before Ray is first imported: the ``rlhf``
+    command does it (``rlhf_cli.main``); a Python driver under ``uv run`` sets it itself."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        _loopback_only()
     import ray
 
     started = False
     if not ray.is_initialized():
-        address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         else:
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             ray.init(
                 num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                 include_dashboard=False,
@@ -82,6 +96,23 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
         node_ips=ips,
         gpu_memory_gib=_gpu_memory_gib() if gpus else None,  # the driver's node's, as a sample
     ), started
+
+
+def _loopback_only() -> None:
+    """Make a local Ray listen on loopback only (see :func:`start_ray`)."""
+    import sys
+
+    os.environ.setdefault(LOOPBACK_ENV, "0")
+    if "ray" not in sys.modules:
+        return
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER and not sys.modules["ray"].is_initialized():
+        raise RuntimeError(
+            f"Ray was imported before {LOOPBACK_ENV}=0 was set, so a local cluster would listen on every "
+            f"network interface: set {LOOPBACK_ENV}=0 before importing ray, or join a cluster with "
+            "--ray.address"
+        )
 
 
 class PlacementGroups:

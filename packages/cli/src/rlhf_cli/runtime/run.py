@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,10 @@ class Run:
         """The checkpoint's state loaded into ``groups``, or ``fresh`` when there is none."""
         return load_checkpoint(self.resume_from, groups) if self.resume_from is not None else fresh
 
-    def start_tracker(self, *, total_steps: int, state: RunState, display: Display = PPO_DISPLAY) -> Tracker:
+    def start_tracker(
+        self, *, total_steps: int, state: RunState, display: Display = PPO_DISPLAY, notes: Sequence[str] = ()
+    ) -> Tracker:
+        """The run's metrics sinks; ``notes`` go under the summary table (e.g. what the data left out)."""
         log = self.cfg.logger
         tracker = Tracker(
             self.run_dir,
@@ -119,6 +122,7 @@ class Run:
             config=self.config,
             resume_step=state.step,
             display=display,
+            notes=notes,
         )
         self.session.tracker = tracker
         return tracker

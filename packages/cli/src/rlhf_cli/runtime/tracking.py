@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,11 @@ class Tracker:
         config: dict,
         resume_step: int = 0,
         display: Display = PPO_DISPLAY,
+        notes: Sequence[str] = (),
     ) -> None:
         self.display = display
+        self.notes = list(notes)
+        """Lines printed under the summary table (and kept in summary.txt)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -209,6 +213,8 @@ class Tracker:
                 table.add_row(key, f"{vals[0]:.4f}", f"{vals[-1]:.4f}", f"{best:.4f}")
         console = Console(record=True, width=100)
         console.print(table)
+        for line in self.notes:
+            console.print(line, markup=False, highlight=False)
         text = console.export_text()
         (self.run_dir / "summary.txt").write_text(text)
         return text

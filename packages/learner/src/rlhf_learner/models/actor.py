@@ -49,7 +49,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     options = options or ModelOptions()
-    cfg = check_model_dir(path)
+    cfg = check_model_dir(path, need_tokenizer=False)
     if options.liger:
         from liger_kernel.transformers import AutoLigerKernelForCausalLM
 

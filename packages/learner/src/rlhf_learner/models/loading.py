@@ -59,19 +59,34 @@ class ModelOptions:
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
 
-def check_model_dir(path: str | Path, *, need_causal_lm: bool = True) -> dict[str, Any]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Any one of these in a model folder counts as a tokenizer (transformers builds an empty one without)."""
+
+
+def check_model_dir(
+    path: str | Path, *, need_causal_lm: bool = True, need_tokenizer: bool = True
+) -> dict[str, Any]:
     """Read and check ``path/config.json``; return it.
 
-    Raises ``ValueError`` when the folder or its config is missing, or (with ``need_causal_lm``) when
-    the config names no ``*ForCausalLM`` architecture.
+    Raises ``ValueError`` naming the folder when it, its config (or a readable one) or its weights are
+    missing, (with ``need_causal_lm``) when the config names no ``*ForCausalLM`` architecture, and (with
+    ``need_tokenizer``) when it holds no tokenizer file (transformers would silently build an empty
+    tokenizer). Pass ``need_tokenizer=False`` for folders only the weights are read from.
     """
     p = Path(path)
+    if p.is_file():
+        raise ValueError(f"model folder {str(p)!r} is a file, not a folder")
     if not p.is_dir():
         raise ValueError(f"model folder {str(p)!r} does not exist")
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"model folder {str(p)!r} has no config.json (not a Hugging Face model folder)")
-    config = json.loads(cfg_file.read_text())
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{cfg_file}: not a JSON config ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(config).__name__}")
     archs = config.get("architectures") or []
     if need_causal_lm and not any(a.endswith("ForCausalLM") for a in archs):
         raise ValueError(
@@ -79,6 +94,11 @@ def check_model_dir(path: str | Path, *, need_causal_lm: bool = True) -> dict[st
         )
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         raise ValueError(f"model folder {str(p)!r} has no weights (*.safetensors / *.bin)")
+    if need_tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model folder {str(p)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save one there with tokenizer.save_pretrained"
+        )
     return config
 
 

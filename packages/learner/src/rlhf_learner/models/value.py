@@ -131,7 +131,7 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
     from transformers import AutoModelForSequenceClassification
 
     options = options or ModelOptions()
-    cfg = check_model_dir(path, need_causal_lm=False)
+    cfg = check_model_dir(path, need_causal_lm=False, need_tokenizer=False)
     archs = cfg.get("architectures") or []
     if not any(a.endswith(("ForCausalLM", "ForSequenceClassification")) for a in archs):
         raise ValueError(

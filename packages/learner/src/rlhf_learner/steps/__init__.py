@@ -6,6 +6,7 @@ learner does not import rlhf-algos), and normalises the loss over the whole grad
 """
 
 from rlhf_learner.steps._window import (
+    NonFiniteLossError,
     StepResult,
     TrainEngine,
     WindowCounts,
@@ -48,6 +49,7 @@ __all__ = [
     "KTOBatch",
     "KTOLossFn",
     "ModelRows",
+    "NonFiniteLossError",
     "PairLossFn",
     "PolicyBatch",
     "PolicyLossFn",

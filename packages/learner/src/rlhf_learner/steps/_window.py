@@ -13,6 +13,7 @@ import torch.distributed as dist
 from rlhf_learner.steps.batches import ModelRows
 
 __all__ = [
+    "NonFiniteLossError",
     "StepResult",
     "TrainEngine",
     "WindowCounts",
@@ -39,6 +40,11 @@ class TrainEngine(Protocol):
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> Any: ...
 
     def step(self) -> Any: ...
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A micro-batch's loss was NaN or infinite on some data-parallel rank: raised on every rank before
+    that micro-batch's backward, so the optimizer step that would apply it is never taken."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +152,9 @@ def run_window(
     total = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     maxes: dict[str, float] = {}
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
         loss, metrics = compute(mb, counts)
+        _check_finite(loss, i, len(micro_batches), group, device)
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
         total += loss.detach().double()
@@ -166,6 +173,18 @@ def run_window(
         zip(sorted(maxes), _all_reduce_max([maxes[k] for k in sorted(maxes)], group, device), strict=True)
     )
     return StepResult(loss=reduced[0] / dp_size, grad_norm=_grad_norm(engine), metrics=out)
+
+
+def _check_finite(loss: torch.Tensor, i: int, n: int, group: Any, device: torch.device) -> None:
+    """Raise :class:`NonFiniteLossError` on every rank when micro-batch ``i``'s loss is not finite on any
+    (one flag all-reduced, so no rank goes on alone into a collective that would then hang)."""
+    value = float(loss.detach())
+    bad = _all_reduce_max([0.0 if math.isfinite(value) else 1.0], group, device)[0]
+    if bad:
+        where = f"loss {value}" if not math.isfinite(value) else "the loss on another data-parallel rank"
+        raise NonFiniteLossError(
+            f"micro-batch {i + 1} of {n}: {where} is not finite; the optimizer step was not taken"
+        )
 
 
 def _check_micro_batches(engine: TrainEngine, micro_batches: Sequence[Any], batch_type: type) -> None:

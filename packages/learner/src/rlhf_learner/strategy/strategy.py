@@ -274,7 +274,7 @@ class Strategy:
             raise ValueError(f"no checkpoint {tag!r} in {str(directory)!r}")
         rank_file = directory / tag / f"rng_state_rank{self.rank}.pt"
         if rank_file.is_file():
-            _set_rng_state(torch.load(rank_file, weights_only=False))
+            _set_rng_state(torch.load(rank_file, weights_only=True))  # tensors, tuples and ints only
         return dict((state or {}).get("caller", {}))
 
     # --- export --------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -70,6 +71,8 @@ class MultiTurnExecutor(AgentExecutorBase):
     the rendered feedback (mask 0, logprob 0). Model tokens are decoded only to show the environment
     the text; they are never re-encoded. The reward is the sum of step rewards. ``truncated`` is set
     when ``max_turns`` or ``max_length`` (total tokens) ends an episode the environment did not end.
+    An environment's ``reset`` / ``step`` that raises, returns a reward that is not a finite number, or
+    (with ``step_timeout_s``) takes longer fails the batch naming the prompt, sample and turn.
     """
 
     def __init__(
@@ -82,10 +85,14 @@ class MultiTurnExecutor(AgentExecutorBase):
         max_turns: int = 4,
         max_length: int | None = None,
         render_feedback: Callable[[str, bool], list[int]] | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         super().__init__(engine=engine, params=replace(params, n=1))
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 (or None: no limit), got {step_timeout_s}")
+        self.step_timeout_s = step_timeout_s
         self.samples_per_prompt = params.n
         self.tokenizer = tokenizer
         self.env_factory = env_factory
@@ -108,7 +115,9 @@ class MultiTurnExecutor(AgentExecutorBase):
             for j in range(self.samples_per_prompt)
         ]
         texts = [self.tokenizer.decode(list(p), skip_special_tokens=True) for p in prompts]
-        await asyncio.gather(*(e.env.reset(prompt=texts[e.i], label=labels[e.i]) for e in eps))
+        await asyncio.gather(
+            *(self._env_call(e, "reset", 0, prompt=texts[e.i], label=labels[e.i]) for e in eps)
+        )
         for turn in range(self.max_turns):
             live = [e for e in eps if not e.finished]
             if not live:
@@ -116,13 +125,46 @@ class MultiTurnExecutor(AgentExecutorBase):
             await self._generate(live, turn, limit)
             results = await asyncio.gather(
                 *(
-                    e.env.step(action=self.tokenizer.decode(e.last_action, skip_special_tokens=True))
+                    self._env_call(
+                        e,
+                        "step",
+                        turn + 1,
+                        action=self.tokenizer.decode(e.last_action, skip_special_tokens=True),
+                    )
                     for e in live
                 )
             )
             for e, res in zip(live, results, strict=True):
                 self._apply(e, res, eos, limit, last_turn=turn == self.max_turns - 1)
         return [e.trajectory(len(prompts[e.i])) for e in eps]
+
+    async def _env_call(self, e: _Episode, method: str, turn: int, **kwargs: Any) -> Any:
+        """``e.env.<method>(**kwargs)``, bounded by ``step_timeout_s``; failures name the episode."""
+        where = f"prompt {e.i} (sample {e.j}), turn {turn}"
+        timer = asyncio.timeout(self.step_timeout_s)
+        try:
+            async with timer:
+                result = await getattr(e.env, method)(**kwargs)
+        except Exception as err:
+            if isinstance(err, TimeoutError) and timer.expired():
+                raise TimeoutError(
+                    f"environment {method} took over {self.step_timeout_s} s on {where}"
+                ) from None
+            raise RuntimeError(f"environment {method} failed on {where}: {err!r}") from err
+        if method == "step":
+            if not (hasattr(result, "reward") and hasattr(result, "done")):
+                raise ValueError(
+                    f"environment step on {where}: returned {type(result).__name__}, not a StepResult"
+                )
+            try:
+                reward = float(result.reward)
+            except (TypeError, ValueError):
+                reward = math.nan
+            if not math.isfinite(reward):
+                raise ValueError(
+                    f"environment step on {where}: reward must be a finite number, got {result.reward!r:.60}"
+                )
+        return result
 
     async def _generate(self, live: list[_Episode], turn: int, limit: int) -> None:
         groups: dict[SamplingParams, list[_Episode]] = {}

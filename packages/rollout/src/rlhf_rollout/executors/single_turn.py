@@ -105,3 +105,14 @@ class SingleTurnExecutor(AgentExecutorBase):
             raise ValueError(
                 f"{err} (sample numbers count from prompt {first}, n={self.params.n} each)"
             ) from err
+        except (RuntimeError, TimeoutError) as err:  # raised, hung, or a server failed: name the batch
+            lo, hi = (flat[0][0], flat[-1][0]) if flat else (0, 0)
+            raise _same_kind(err, f"{err} (batch of prompts {lo}..{hi}, n={self.params.n} each)") from err
+
+
+def _same_kind(err: Exception, message: str) -> Exception:
+    """An exception of ``err``'s type with ``message`` (a ``RuntimeError`` when the type needs more)."""
+    try:
+        return type(err)(message)
+    except Exception:
+        return RuntimeError(message)
