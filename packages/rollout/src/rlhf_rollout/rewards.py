@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from rlhf_rollout._calls import named_call
+
 __all__ = [
     "RewardFunction",
     "RewardResult",
@@ -144,23 +146,21 @@ class RewardFunction:
     async def ascore(
         self, *, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]
     ) -> RewardResult:
-        args = (list(queries), list(prompts), list(labels))
-        timer = asyncio.timeout(self.timeout_s)
-        try:
-            async with timer:
-                if inspect.iscoroutinefunction(self.func):
-                    out = await self.func(*args, **self.kwargs)
-                elif self.timeout_s is None:
-                    out = await asyncio.to_thread(self.func, *args, **self.kwargs)
-                else:  # not the loop's executor: asyncio.run would wait for an abandoned call at exit
-                    out = await _in_daemon_thread(self.func, *args, **self.kwargs)
-        except Exception as err:
-            if isinstance(err, TimeoutError) and timer.expired():
-                raise TimeoutError(
-                    f"{self.name} did not return within {self.timeout_s} s ({len(queries)} samples)"
-                ) from None
-            raise RuntimeError(f"{self.name} raised {err!r}") from err
+        out = await named_call(
+            self._call(list(queries), list(prompts), list(labels)),
+            timeout_s=self.timeout_s,
+            timed_out=f"{self.name} did not return within {self.timeout_s} s ({len(queries)} samples)",
+            failed=f"{self.name} raised",
+        )
         return normalize_reward_output(out, n=len(queries), source=self.name)
+
+    async def _call(self, *args: Any) -> Any:
+        if inspect.iscoroutinefunction(self.func):
+            return await self.func(*args, **self.kwargs)
+        if self.timeout_s is None:
+            return await asyncio.to_thread(self.func, *args, **self.kwargs)
+        # not the loop's executor: asyncio.run would wait at exit for a call abandoned by the timeout
+        return await _in_daemon_thread(self.func, *args, **self.kwargs)
 
 
 async def _in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rlhf_rollout._calls import named_call
 from rlhf_rollout.engine import TokenGenerator
 from rlhf_rollout.executors.base import (
     AgentExecutorBase,
@@ -141,16 +142,12 @@ class MultiTurnExecutor(AgentExecutorBase):
     async def _env_call(self, e: _Episode, method: str, turn: int, **kwargs: Any) -> Any:
         """``e.env.<method>(**kwargs)``, bounded by ``step_timeout_s``; failures name the episode."""
         where = f"prompt {e.i} (sample {e.j}), turn {turn}"
-        timer = asyncio.timeout(self.step_timeout_s)
-        try:
-            async with timer:
-                result = await getattr(e.env, method)(**kwargs)
-        except Exception as err:
-            if isinstance(err, TimeoutError) and timer.expired():
-                raise TimeoutError(
-                    f"environment {method} took over {self.step_timeout_s} s on {where}"
-                ) from None
-            raise RuntimeError(f"environment {method} failed on {where}: {err!r}") from err
+        result = await named_call(
+            getattr(e.env, method)(**kwargs),
+            timeout_s=self.step_timeout_s,
+            timed_out=f"environment {method} took over {self.step_timeout_s} s on {where}",
+            failed=f"environment {method} failed on {where}:",
+        )
         if method == "step":
             if not (hasattr(result, "reward") and hasattr(result, "done")):
                 raise ValueError(
