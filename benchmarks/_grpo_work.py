@@ -87,6 +87,6 @@ def ppo_flags(model: Path, prompts: Path, reward: Path, run_dir: Path, steps: in
             "--algo.kl.estimator",
             "k3",
         ),
-        *("--train.num_steps", str(steps), "--train.micro_batch_size", "8", "--eval.every", "0"),
+        *("--train.num_steps", str(steps), "--train.micro_batch_size", "32", "--eval.every", "0"),
         *("--logger.progress", "false", "--logger.tensorboard", "false", "--logger.run_dir", str(run_dir)),
     ]

@@ -41,7 +41,12 @@ BENCHES = (
     Bench("learner_cpu", ("--repeats", "2"), 300),
     Bench("rollout_cpu", ("--models", "tiny", "--repeats", "3"), 300),
     Bench("profile_ppo_step", ("--models", "tiny", "--steps", "5"), 300),
-    Bench("e2e_grpo_vs_trl", ("--models", "tiny,small", "--steps", "6"), 900, needs="trl"),
+    Bench(
+        "e2e_grpo_vs_trl",
+        ("--models", "tiny,small", "--steps", "6", "--ours-flags=--ds.precision bf16"),
+        900,
+        needs="trl",
+    ),
 )
 
 

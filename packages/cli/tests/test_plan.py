@@ -234,3 +234,18 @@ def test_qlora_needs_gpus():
     sft = SFTConfig.model_validate({"lora": {"rank": 8, "load_in_4bit": True}})
     with pytest.raises(ConfigError, match=r"--lora.load_in_4bit"):
         make_offline_plan(sft, CPU, with_ref=False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "learner", "engine"),
+    [
+        ((), 16, 16),  # one rank, one engine on a 16-core node: each owns the cores while it runs
+        (("--actor.num_devices_per_node", "2", "--vllm.num_engines", "4"), 8, 4),
+        (("--vllm.num_engines", "2", "--ray.threads_per_rank", "3"), 3, 3),
+    ],
+)
+def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, learner, engine):
+    cfg = ppo("--actor.pretrain", str(write_config(tmp_path / "m")), *flags)
+    plan = make_plan(cfg, CPU)
+    assert plan.group("actor").threads == learner and plan.group("engines").threads == engine
+    assert make_plan(cfg, gpu(80.0)).group("engines").threads == 0  # GPU engines set their own

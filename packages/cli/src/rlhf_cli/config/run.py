@@ -176,8 +176,8 @@ class RayConfig(Section):
     cpus_per_worker: float = Field(0.25, gt=0)
     """CPUs each learner rank and each engine claims on a CPU-only cluster."""
     threads_per_rank: int | None = Field(None, ge=1)
-    """torch threads of each learner rank; unset: its node's cores divided by its group's ranks on the
-    node (the stages of a step run one at a time, so the running group owns the cores)."""
+    """torch threads of each learner rank and CPU engine; unset: its node's cores divided by its group's
+    processes on the node (the stages of a step run one at a time, so the running group owns the cores)."""
     gpus_per_worker: float = Field(1.0, gt=0, le=1)
     """GPUs each learner rank and each engine worker claims; below 1 they share GPUs (weights then go over
     CUDA IPC; lower --vllm.gpu_memory_utilization to fit)."""

@@ -149,6 +149,8 @@ def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit:
 
     eg = plan.group("engines")
     env = dict(worker_env())
+    if eg.threads:  # CPU: the engine's cores (Ray gives a fractional-CPU actor OMP_NUM_THREADS=1)
+        env["OMP_NUM_THREADS"] = str(eg.threads)
     if cfg.rollout.backend == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_gib)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))

@@ -33,7 +33,7 @@ class GroupPlan:
     flags: tuple[str, ...] = ()
     """Flags that lower this group's memory (named when a GPU cannot hold it)."""
     threads: int = 0
-    """torch threads of each learner rank (0: the group sets its own, e.g. engines)."""
+    """torch threads of each rank or CPU engine process (0: the group sets its own, e.g. GPU engines)."""
 
     @property
     def memory_gib(self) -> float:
@@ -159,9 +159,25 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
     flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
     procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
+    threads = 0 if resources.gpus else _engine_threads(procs, resources, cfg.ray.threads_per_rank)
     return GroupPlan(
-        name="engines", processes=procs, bundle=bundle, parts=parts, params=n, note=note, flags=flags
+        name="engines",
+        processes=procs,
+        bundle=bundle,
+        parts=parts,
+        params=n,
+        note=note,
+        flags=flags,
+        threads=threads,
     )
+
+
+def _engine_threads(processes: int, resources: ClusterResources, threads_per_rank: int | None) -> int:
+    """A CPU engine's torch threads: ``--ray.threads_per_rank``, else its node's cores divided by the
+    engine processes on the node (spread evenly): in a synchronous step the learners wait while the
+    engines generate (Ray would give a fractional-CPU actor one thread)."""
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    return threads_per_rank or max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))
 
 
 def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
