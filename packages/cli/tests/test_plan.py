@@ -248,4 +248,4 @@ def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, l
     cfg = ppo("--actor.pretrain", str(write_config(tmp_path / "m")), *flags)
     plan = make_plan(cfg, CPU)
     assert plan.group("actor").threads == learner and plan.group("engines").threads == engine
-    assert make_plan(cfg, gpu(80.0)).group("engines").threads == 0  # GPU engines set their own
+    assert make_plan(cfg, gpu(80.0, gpus=8)).group("engines").threads == 0  # GPU engines set their own
