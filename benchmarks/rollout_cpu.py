@@ -117,7 +117,10 @@ def our_vllm(model_dir, prompts, tokenizer, args):
         backend="vllm",
         engine_kwargs=dict(model=str(model_dir), dtype="float32", seed=0),
         num_cpus_per_engine=1,
-        env_vars={"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
+        env_vars={  # every core, as raw vLLM's worker takes
+            "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+            "OMP_NUM_THREADS": str(os.cpu_count()),
+        },
     )
     params = SamplingParams(temperature=1.0, n=args.samples, max_new_tokens=args.max_new_tokens)
     ex = SingleTurnExecutor(engine=EngineClient([actor]), params=params, tokenizer=tokenizer)

@@ -14,7 +14,10 @@ figure, not a failure). Use each script directly for the full settings the packa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,12 +63,18 @@ def run_one(bench: Bench, log_dir: Path, summary: Path) -> tuple[str, float]:
     cmd = [sys.executable, str(HERE / f"{bench.name}.py"), *args, "--summary", str(summary)]
     t0 = time.monotonic()
     with open(log_dir / f"{bench.name}.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=bench.timeout_s, cwd=HERE.parent
-            )
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=bench.timeout_s)
+        except subprocess.TimeoutExpired:  # the benchmark and all it started (rlhf ppo, Ray)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return f"timed out after {bench.timeout_s} s", time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # leftovers of a finished run
+                os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - t0
     return ("ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"), took
 

@@ -39,3 +39,12 @@ def test_the_critic_schedule_leaves_out_the_demos_warmup():
     assert cfg.warmup_runs
     assert cfg.total_optimizer_steps("actor") == 10 + cfg.train.warmup_sft_steps
     assert cfg.total_optimizer_steps("critic") == 10
+
+
+def test_a_checkpoint_older_than_a_setting_stays_resumable():
+    saved, now = config(), config()
+    del saved["data"]["strict"]  # written before --data.strict existed
+    check_compatible(saved, now, where=Path("ckpt"))
+    saved["data"]["path"] = "other.jsonl"  # a setting both know still has to match
+    with pytest.raises(ValueError, match=r"data.path='other.jsonl'"):
+        check_compatible(saved, now, where=Path("ckpt"))

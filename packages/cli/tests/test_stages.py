@@ -441,7 +441,7 @@ def test_a_non_finite_loss_on_a_rank_fails_the_run_naming_step_epoch_and_mini_ba
     with pytest.raises(NonFiniteLossError) as err:
         update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0, step=7)
     assert str(err.value) == (
-        "step 7, epoch 2, mini-batch 1: actor micro-batch 1 of 1: loss nan is not finite; "
+        "step 7, epoch 2, mini-batch 1: actor: micro-batch 1 of 1: loss nan is not finite; "
         "the optimizer step was not taken"
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rlhf_learner.models import Actor, load_causal_lm
-from rlhf_learner.packing import balance_micro_batches, pack_sequences, plan_rows, unpack
+from rlhf_learner.packing import balance_micro_batches, for_kernel, pack_sequences, plan_rows, unpack
 
 
 def _seqs(lengths, seed=0):
@@ -16,13 +16,14 @@ def _seqs(lengths, seed=0):
     ]
 
 
+@pytest.mark.parametrize("row", [20, 44], ids=["rows-of-20", "one-row"])  # one row: re-packed narrower
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn):
+def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn, row):
     from rlhf_learner.models import ModelOptions
 
     actor = Actor(load_causal_lm(tiny_model_dir, options=ModelOptions(attn_implementation=attn)))
     seqs = _seqs([9, 3, 14, 6, 1, 11])
-    packed = pack_sequences(seqs, max_tokens_per_row=20, pad_to_multiple=4)
+    packed = pack_sequences(seqs, max_tokens_per_row=row, pad_to_multiple=4)
     rows = packed.tensors
     assert rows["input_ids"].shape[0] < len(seqs)  # really packed: several sequences share a row
     out = actor(rows["input_ids"], position_ids=rows["position_ids"], return_entropy=True)
@@ -47,6 +48,26 @@ def test_packed_equals_unpacked_logprobs_and_gradients(tiny_model_dir, attn):
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-4)
     for n, p in actor.named_parameters():
         torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_rows_are_laid_out_for_the_kernel_and_outputs_put_back():
+    seqs = _seqs([9, 3, 14, 6, 1, 11])
+    t = pack_sequences(seqs, max_tokens_per_row=60, pad_to_multiple=8).tensors  # one row of 48
+    ids, pos = t["input_ids"], t["position_ids"]
+    narrow_ids, narrow_pos, back = for_kernel(ids, pos, attn_implementation="sdpa")
+    assert narrow_ids.shape[1] == 14 and narrow_ids.shape[0] >= 4  # rows as wide as the longest
+    assert all(narrow_pos[r, 0] == 0 for r in range(narrow_pos.shape[0]))
+    assert torch.equal(back(narrow_ids[..., None].float())[..., 0].long()[:, :44], ids[:, :44])
+    two = pack_sequences(seqs, max_tokens_per_row=20).tensors  # several rows
+    flat_ids, flat_pos, back = for_kernel(
+        two["input_ids"], two["position_ids"], attn_implementation="flash_attention_2"
+    )
+    assert flat_ids.shape == (1, two["input_ids"].numel()) and torch.equal(
+        flat_pos.view(-1), two["position_ids"].view(-1)
+    )
+    assert torch.equal(back(flat_ids[..., None])[..., 0], two["input_ids"])
+    same = for_kernel(two["input_ids"], two["position_ids"], attn_implementation="sdpa")  # already narrow
+    assert same[0] is two["input_ids"]
 
 
 def test_pack_layout_and_unpack_roundtrip():

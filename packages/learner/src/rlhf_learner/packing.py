@@ -10,12 +10,13 @@ The tail of a row is padding with its own positions (one extra "sequence" that e
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedBatch", "balance_micro_batches", "pack_sequences", "plan_rows", "unpack"]
+__all__ = ["PackedBatch", "balance_micro_batches", "for_kernel", "pack_sequences", "plan_rows", "unpack"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,71 @@ class PackedBatch:
     """``[R, L]`` tensors: ``input_ids``, ``position_ids`` and every per-token field that was packed."""
     placement: list[tuple[int, int, int]]
     """For original sequence ``i``: ``(row, start, length)``."""
+
+
+def for_kernel(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, *, attn_implementation: str | None
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Packed ``[R, L]`` rows laid out for the attention kernel, and how to put the model's per-token
+    outputs (``[R', L', ...]``) back as ``[R, L, ...]``.
+
+    - flash-attention: rows end to end as one row. transformers reads position restarts as separate
+      sequences (varlen) only when the batch is one row; each row starts a sequence at position 0, so
+      no sequence crosses into the next row.
+    - sdpa / eager build a block-diagonal mask and compute the whole masked square of each row: rows at
+      least twice as wide as their longest sequence are re-packed into rows as wide as it (attention
+      then costs about what padded rows would, with little padding)."""
+    if "flash" in (attn_implementation or ""):
+        return _one_row(input_ids, position_ids)
+    return _narrow_rows(input_ids, position_ids)
+
+
+def _same(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _one_row(input_ids: torch.Tensor, position_ids: torch.Tensor):
+    rows, width = input_ids.shape
+    if rows == 1:
+        return input_ids, position_ids, _same
+    back = lambda out: out.reshape(rows, width, *out.shape[2:])  # noqa: E731
+    return input_ids.reshape(1, rows * width), position_ids.reshape(1, rows * width), back
+
+
+def _narrow_rows(input_ids: torch.Tensor, position_ids: torch.Tensor):
+    rows, width = input_ids.shape
+    if bool((position_ids[:, 0] != 0).any()):  # not rows of whole sequences
+        return input_ids, position_ids, _same
+    spans = []  # (row, start, end) of every sequence, the padding tail of a row included
+    for r in range(rows):
+        starts = [*(position_ids[r] == 0).nonzero().flatten().tolist(), width]
+        spans += [(r, a, b) for a, b in itertools.pairwise(starts)]
+    lengths = [b - a for _, a, b in spans]
+    longest = max(lengths)
+    if 2 * longest > width:
+        return input_ids, position_ids, _same
+    plan = plan_rows(lengths, max_tokens_per_row=longest)
+    ids = input_ids.new_zeros((len(plan), longest))
+    pos = torch.arange(longest, device=position_ids.device).repeat(len(plan), 1)  # tails: own sequence
+    src, dst = [], []
+    for new_row, members in enumerate(plan):
+        offset = 0
+        for i in members:
+            r, a, b = spans[i]
+            ids[new_row, offset : offset + b - a] = input_ids[r, a:b]
+            pos[new_row, offset : offset + b - a] = position_ids[r, a:b]
+            src += [(r, c) for c in range(a, b)]
+            dst += [(new_row, offset + c) for c in range(b - a)]
+            offset += b - a
+        pos[new_row, offset:] = torch.arange(longest - offset, device=pos.device)
+    s, d = torch.tensor(src).T, torch.tensor(dst).T
+
+    def back(out: torch.Tensor) -> torch.Tensor:
+        res = out.new_zeros((rows, width, *out.shape[2:]))
+        res[s[0], s[1]] = out[d[0], d[1]]
+        return res
+
+    return ids, pos, back
 
 
 def plan_rows(lengths: Sequence[int], *, max_tokens_per_row: int) -> list[list[int]]:

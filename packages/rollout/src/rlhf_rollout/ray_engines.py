@@ -110,8 +110,9 @@ def create_engines(
     (``VLLM_RAY_BUNDLE_INDICES``). Each actor asks for ``num_cpus_per_engine`` CPUs and
     ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
 
-    ``env_vars`` go into every actor's ``runtime_env`` (Ray sets ``OMP_NUM_THREADS=1`` in actors; pass
-    e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here).
+    ``env_vars`` go into every actor's ``runtime_env`` (pass e.g. ``VLLM_CPU_KVCACHE_SPACE``,
+    ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here). A CPU vLLM engine runs torch on
+    ``OMP_NUM_THREADS`` threads, by default ``num_cpus_per_engine`` rounded (at least 1).
     ``start_timeout_s`` bounds the wait for every engine to come up.
     """
     import ray
@@ -208,6 +209,8 @@ def _actor_options(
         options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
     if backend == "vllm" and tp == 1:  # the engine core runs in the actor's own process
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if num_gpus == 0:  # on CPU its torch threads: Ray would give a fractional-CPU actor one
+            env.setdefault("OMP_NUM_THREADS", str(max(1, round(num_cpus))))
     if placement_group is not None:
         assert bundles is not None
         if tp > 1:

@@ -90,7 +90,7 @@ class VLLMEngine:
             notes.append("sleep mode needs enable_sleep_mode=True")
         if self._extension is None:
             notes.append("weight sync needs worker_extension_cls")
-        notes.append("load_weights: tensors do not cross into vLLM's worker process; use the extension")
+        notes.append("load_weights: not supported; weights go through the worker extension")
         return EngineCapabilities(
             backend="vllm-cpu" if self._on_cpu else "vllm",
             sleep=self._sleep_enabled and not self._on_cpu,
@@ -189,8 +189,8 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors) -> None:
         raise UnsupportedOperationError(
-            "VLLMEngine.load_weights: tensors in this process do not reach vLLM's worker process; use "
-            "init_weight_sync/receive_weights (worker extension) or reload_weights_from_path"
+            "VLLMEngine.load_weights is not supported: weights go through init_weight_sync/receive_weights "
+            "(worker extension) or reload_weights_from_path"
         )
 
     # --- memory ----------------------------------------------------------------------------------------

@@ -84,14 +84,12 @@ class Rows:
 
 
 def to_rows(sequences: Sequence[dict[str, torch.Tensor]], *, packing: bool) -> Rows:
-    """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: packed rows
-    (``position_ids`` restart per sequence) or right-padded rows. A packed row is at most as wide as the
-    longest sequence: short sequences share rows, so there is little padding, and attention, which
-    costs the square of a row's width wherever it is not varlen (sdpa on CPU computes the whole masked
-    square), costs no more than padded rows would."""
+    """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: one packed
+    row (``position_ids`` restart per sequence, no padding between them; the learner lays it out for its
+    attention kernel) or right-padded rows."""
     if packing:
-        longest = max(int(s["input_ids"].shape[0]) for s in sequences)
-        packed = pack_sequences(sequences, max_tokens_per_row=longest)
+        total = sum(int(s["input_ids"].shape[0]) for s in sequences)
+        packed = pack_sequences(sequences, max_tokens_per_row=total)
         return Rows(tensors=packed.tensors, placement=packed.placement)
     width = max(int(s["input_ids"].shape[0]) for s in sequences)
     out = {k: pad_stack([s[k] for s in sequences], width) for k in sequences[0]}

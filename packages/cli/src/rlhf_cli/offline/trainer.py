@@ -17,6 +17,7 @@ from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
 from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.failures import naming_nonfinite
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups
 from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_offline_plan
@@ -219,7 +220,10 @@ def run_command(
         for step in range(state.step + 1, steps + 1):
             t0 = time.perf_counter()
             metrics = objective.evaluate(eval_items) if schedule.before(step) else {}
-            metrics |= objective.step(_split(cfg, groups.model, train_set.next_batch(cfg.train.batch_size)))
+            with naming_nonfinite(f"step {step}"):
+                metrics |= objective.step(
+                    _split(cfg, groups.model, train_set.next_batch(cfg.train.batch_size))
+                )
             if schedule.after(step):  # after the last update (as rlhf ppo does)
                 metrics |= objective.evaluate(eval_items)
             metrics["train/epoch"] = train_set.cursor.epoch + train_set.cursor.index / len(train_items)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample, policy_batch, value_batch
+from rlhf_cli.runtime.failures import naming_nonfinite
 from rlhf_cli.runtime.protocols import PolicyGroup, ScoringGroup, ValueGroup
 from rlhf_cli.runtime.specs import PolicyLossSettings, ValueLossSettings
-from rlhf_learner import NonFiniteLossError, StepResult, balance_micro_batches
+from rlhf_learner import StepResult, balance_micro_batches
 
 __all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "policy_settings", "update"]
 
@@ -162,17 +162,6 @@ def mini_batches(cfg: PPOConfig, samples: Sequence[Sample], *, step: int, epoch:
     return [[samples[i] for i in order[lo : lo + size]] for lo in range(0, len(samples), size)]
 
 
-@contextlib.contextmanager
-def _naming_the_update(step: int, epoch: int, mini_batch: int, role: str) -> Iterator[None]:
-    """A non-finite loss from a learner rank, as one line naming the step, epoch and mini-batch."""
-    try:
-        yield
-    except NonFiniteLossError as err:
-        cause = getattr(err, "cause", None) or err  # a Ray task error carries the rank's own exception
-        where = f"step {step}, epoch {epoch + 1}, mini-batch {mini_batch + 1}"
-        raise NonFiniteLossError(f"{where}: {role} {str(cause).splitlines()[0]}") from None
-
-
 def update(
     cfg: PPOConfig,
     samples: Sequence[Sample],
@@ -188,11 +177,12 @@ def update(
     for epoch in range(cfg.train.ppo_epochs):
         for i, part in enumerate(mini_batches(cfg, samples, step=step, epoch=epoch)):
             t0 = time.perf_counter()
-            with _naming_the_update(step, epoch, i, "actor"):
+            where = f"step {step}, epoch {epoch + 1}, mini-batch {i + 1}"
+            with naming_nonfinite(f"{where}: actor"):
                 actor_results.append(update_policy(cfg, part, actor, kl_coef=kl_coef))
             t1 = time.perf_counter()
             if critic is not None:
-                with _naming_the_update(step, epoch, i, "critic"):
+                with naming_nonfinite(f"{where}: critic"):
                     critic_results.append(update_critic(cfg, part, critic))
             seconds[0], seconds[1] = seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1
     return Updates(

@@ -71,10 +71,12 @@ def resumable_changes(*, lr_scheduled: bool, extra: tuple[str, ...] = ()) -> tup
 def check_compatible(
     saved: dict, current: dict, *, where: Path, resumable: tuple[str, ...] = RESUMABLE_CHANGES
 ) -> None:
-    """Raise naming the first setting that differs from the checkpoint's (except ``resumable`` ones)."""
+    """Raise naming the first setting that differs from the checkpoint's (except ``resumable`` ones). A
+    setting the checkpoint does not have was added since it was written: it is not compared (older
+    checkpoints stay resumable)."""
     a, b = dict(flat_items(saved)), dict(flat_items(current))
     for key in sorted(set(a) | set(b)):
-        if key.startswith(resumable):
+        if key.startswith(resumable) or key not in a:
             continue
         if a.get(key) != b.get(key):
             raise ValueError(

@@ -107,7 +107,8 @@ def _loopback_only() -> None:
         return
     from ray._private import ray_constants
 
-    if ray_constants.ENABLE_RAY_CLUSTER and not sys.modules["ray"].is_initialized():
+    wanted = os.environ[LOOPBACK_ENV] == "0"  # not an explicit opt-out (=1)
+    if wanted and ray_constants.ENABLE_RAY_CLUSTER and not sys.modules["ray"].is_initialized():
         raise RuntimeError(
             f"Ray was imported before {LOOPBACK_ENV}=0 was set, so a local cluster would listen on every "
             f"network interface: set {LOOPBACK_ENV}=0 before importing ray, or join a cluster with "

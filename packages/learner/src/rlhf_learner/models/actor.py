@@ -10,16 +10,22 @@ from torch import nn
 
 from rlhf_learner.models.loading import (
     ModelOptions,
+    attn_implementation,
     check_model_dir,
     input_positions,
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+from rlhf_learner.packing import for_kernel
 
 if TYPE_CHECKING:
     from rlhf_learner.lora import LoraOptions
 
 __all__ = ["Actor", "ActorOutput", "load_causal_lm", "load_reference"]
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class ActorOutput(NamedTuple):
@@ -137,14 +143,15 @@ class Actor(nn.Module):
                     "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
                 )
             kwargs["output_router_logits"] = True
+        ids, pos, back = (input_ids, position_ids, _same)
+        if packed is not None:
+            ids, pos, back = for_kernel(
+                input_ids, packed, attn_implementation=attn_implementation(self.config)
+            )
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **kwargs,
+            input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=False, **kwargs
         )
-        logits = out.logits[:, :-1]
+        logits = back(out.logits)[:, :-1]
         logp = shift_to_inputs(token_logprobs(logits, input_ids[:, 1:], temperature=self.temperature), packed)
         entropy = None
         if return_entropy:

@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "ModelOptions",
+    "attn_implementation",
     "check_model_dir",
     "check_sequence_length",
     "input_positions",
@@ -107,6 +108,11 @@ def check_sequence_length(config: Any, length: int, *, what: str = "input_ids") 
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and length > limit:
         raise ValueError(f"{what}: sequence length {length} exceeds the model's maximum of {limit} positions")
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention kernel a loaded transformers model runs (``sdpa``, ``eager``, ``flash_attention_2``...)."""
+    return getattr(config, "_attn_implementation", None)
 
 
 def input_positions(

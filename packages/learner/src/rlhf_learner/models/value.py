@@ -15,11 +15,13 @@ from torch import nn
 
 from rlhf_learner.models.loading import (
     ModelOptions,
+    attn_implementation,
     check_model_dir,
     input_positions,
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import shift_to_inputs
+from rlhf_learner.packing import for_kernel
 
 __all__ = ["Critic", "RewardModel", "last_token_index", "load_critic", "load_reward_model"]
 
@@ -74,11 +76,17 @@ class Critic(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
+        positions = input_positions(self.config, input_ids, attention_mask, position_ids)
+        ids, back = input_ids, None
+        if attention_mask is None and positions is not None:  # packed rows
+            ids, positions, back = for_kernel(
+                ids, positions, attn_implementation=attn_implementation(self.config)
+            )
         trunk = self.model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
         )
-        return self.model.score(trunk.last_hidden_state).squeeze(-1).float()
+        hidden = trunk.last_hidden_state if back is None else back(trunk.last_hidden_state)
+        return self.model.score(hidden).squeeze(-1).float()
 
     def forward(
         self,
