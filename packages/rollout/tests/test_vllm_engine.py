@@ -23,7 +23,9 @@ def test_capabilities_say_what_is_missing(vllm_client):
         ray.get(engine.sleep.remote(level=1))
     with pytest.raises(UnsupportedOperationError, match=reason):
         ray.get(engine.wake_up.remote())
-    with pytest.raises(UnsupportedOperationError, match="do not reach vLLM's worker process"):
+    with pytest.raises(
+        UnsupportedOperationError, match="load_weights is not supported: weights go through init_weight_sync"
+    ):
         ray.get(engine.load_weights.remote(named_tensors=[]))
 
 

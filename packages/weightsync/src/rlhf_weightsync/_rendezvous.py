@@ -84,6 +84,7 @@ class Rendezvous:
                 rank == 0,
                 timedelta(seconds=max(timeout_s, connect_timeout_s)),
                 wait_for_workers=False,
+                master_listen_fd=_listening_fd(master_addr, master_port) if rank == 0 else None,
             )
         except Exception as exc:
             verb = "serve" if rank == 0 else "reach"
@@ -283,3 +284,13 @@ class _SenderKeyWaiter:
         self._thread = threading.Thread(target=run, name="rlhf-weightsync-wait", daemon=True)
         self._thread.start()
         return done, result
+
+
+def _listening_fd(addr: str, port: int) -> int:
+    """A TCP socket listening on ``addr:port`` only (torch's store would listen on every interface), as a
+    file descriptor the store takes over."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(128)
+        return listener.detach()  # the store owns it now

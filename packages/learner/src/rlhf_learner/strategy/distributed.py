@@ -78,7 +78,8 @@ def init_distributed(
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(
+    _join_bound_to_master(backend, timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(  # adopts the group just made
         dist_backend=backend,
         auto_mpi_discovery=False,
         verbose=False,
@@ -87,6 +88,30 @@ def init_distributed(
         world_size=int(os.environ["WORLD_SIZE"]),
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _join_bound_to_master(backend: str, timeout: timedelta) -> None:
+    """The default process group, its rendezvous store listening on ``MASTER_ADDR`` only (torch's own
+    store listens on every interface): rank 0 binds the socket and hands it to the store. With a
+    loopback ``MASTER_ADDR``, gloo's connections are made on the loopback interface too."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    fd = _listening_fd(addr, port) if rank == 0 else None
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+    if backend == "gloo" and addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        loopback = [name for _, name in socket.if_nameindex() if name == "lo"]
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback[0]
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _listening_fd(addr: str, port: int) -> int:
+    """A TCP socket listening on ``addr:port`` only, as a file descriptor the store takes over."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(128)
+        return listener.detach()  # the store owns it now: closing the Python object must not close it
 
 
 def _set_rendezvous_env(
