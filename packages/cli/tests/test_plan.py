@@ -245,7 +245,9 @@ def test_qlora_needs_gpus():
     ],
 )
 def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, learner, engine):
-    cfg = ppo("--actor.pretrain", str(write_config(tmp_path / "m")), *flags)
+    cfg = ppo("--actor.pretrain", str(write_config(tmp_path / "m", layers=4, hidden=512)), *flags)
     plan = make_plan(cfg, CPU)
     assert plan.group("actor").threads == learner and plan.group("engines").threads == engine
+    tiny = make_plan(ppo("--actor.pretrain", str(write_config(tmp_path / "tiny")), *flags), CPU)
+    assert tiny.group("engines").threads == (3 if "--ray.threads_per_rank" in flags else 1)
     assert make_plan(cfg, gpu(80.0, gpus=8)).group("engines").threads == 0  # GPU engines set their own

@@ -159,7 +159,7 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
     flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
     procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
-    threads = 0 if resources.gpus else _engine_threads(procs, resources, cfg.ray.threads_per_rank)
+    threads = 0 if resources.gpus else _engine_threads(procs, resources, cfg.ray.threads_per_rank, n)
     return GroupPlan(
         name="engines",
         processes=procs,
@@ -172,12 +172,23 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
     )
 
 
-def _engine_threads(processes: int, resources: ClusterResources, threads_per_rank: int | None) -> int:
-    """A CPU engine's torch threads: ``--ray.threads_per_rank``, else its node's cores divided by the
-    engine processes on the node (spread evenly): in a synchronous step the learners wait while the
-    engines generate (Ray would give a fractional-CPU actor one thread)."""
+_ONE_THREAD_ENGINE_PARAMS = 5e6
+"""Below this, a CPU engine generates faster on one thread: a 0.4M-parameter model ran at 1.02x raw vLLM
+on one thread and 0.66x on two, a 24M one at 1.08x and 1.57x (benchmarks/rollout_cpu.py)."""
+
+
+def _engine_threads(
+    processes: int, resources: ClusterResources, threads_per_rank: int | None, params: int
+) -> int:
+    """A CPU engine's torch threads: ``--ray.threads_per_rank``, else one for a tiny model, else its
+    node's cores divided by the engine processes on the node (spread evenly): in a synchronous step the
+    learners wait while the engines generate (Ray would give a fractional-CPU actor one thread)."""
+    if threads_per_rank:
+        return threads_per_rank
+    if params < _ONE_THREAD_ENGINE_PARAMS:
+        return 1
     cores = max(1, int(resources.cpus // max(1, resources.nodes)))
-    return threads_per_rank or max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))
+    return max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))
 
 
 def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
