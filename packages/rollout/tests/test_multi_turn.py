@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import ClassVar
 
 import pytest
@@ -176,3 +177,167 @@ def test_prompt_too_long_for_multi_turn(hf_engine, tokenizer):
     )
     with pytest.raises(ValueError, match="prompt 1 has 40 tokens; the executor's max_length is 32"):
         ex.run([[1, 2], [1] * 40], labels=[1, 2])
+
+
+# --- episodes advance independently -------------------------------------------------------------------
+
+
+class RecordingEngine:
+    """The session's transformers engine, logging each call: (prompt index, prompts, n, seed). A local
+    engine: the executor reaches it through ``generate`` in a thread."""
+
+    def __init__(self, inner, log: list) -> None:
+        self.inner, self.log = inner, log
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len
+
+    def generate(self, prompts, params):
+        i = next(k for k, p in enumerate(PROMPTS) if list(prompts[0][: len(p)]) == p)
+        self.log.append(("generate", i, len(prompts), params.n, params.seed))
+        return self.inner.generate(prompts, params)
+
+
+class ConcurrentEngine(RecordingEngine):
+    """Like ``EngineClient`` on Ray: ``agenerate`` calls overlap."""
+
+    async def agenerate(self, prompts, params):
+        await asyncio.sleep(0.01)
+        return self.generate(prompts, params)
+
+
+class PacedEnv:
+    """Prompt 0 ("fast") ends after 3 quick steps; prompt 1 ("slow") after 2, and its first step
+    lasts until the fast episode has ended (giving up after 5 s)."""
+
+    def __init__(self, log: list, fast_done: asyncio.Event) -> None:
+        self.log, self.fast_done, self.k = log, fast_done, 0
+
+    async def reset(self, *, prompt: str, label) -> None:
+        self.label = label
+
+    async def step(self, *, action: str) -> StepResult:
+        self.k += 1
+        if self.label == "slow" and self.k == 1:
+            try:
+                await asyncio.wait_for(self.fast_done.wait(), 5)
+            except TimeoutError:
+                self.log.append(("slow step gave up waiting",))
+        self.log.append(("stepped", self.label, self.k))
+        done = self.k >= (3 if self.label == "fast" else 2)
+        if done and self.label == "fast":
+            self.fast_done.set()
+        return StepResult(feedback="Go on.", reward=1.0, done=done)
+
+
+@pytest.mark.parametrize("engine_kind", [RecordingEngine, ConcurrentEngine], ids=["local", "concurrent"])
+def test_an_episode_does_not_wait_for_slower_ones(hf_engine, tokenizer, engine_kind):
+    log: list = []
+    fast_done = asyncio.Event()
+    ex = MultiTurnExecutor(
+        engine=engine_kind(hf_engine, log),
+        params=SamplingParams(temperature=TEMPERATURE, max_new_tokens=5, seed=1),
+        tokenizer=tokenizer,
+        env_factory=lambda: PacedEnv(log, fast_done),
+        max_turns=4,
+    )
+    t0 = time.monotonic()
+    fast, slow = ex.run(PROMPTS[:2], labels=["fast", "slow"])
+    assert time.monotonic() - t0 < 4
+    assert ("slow step gave up waiting",) not in log
+    # the fast episode took all its turns while the slow one was still in its first step
+    assert log.index(("stepped", "fast", 3)) < log.index(("stepped", "slow", 1))
+    gens = [entry for entry in log if entry[0] == "generate"]
+    assert all(n_prompts == 1 and n == 1 for _, _, n_prompts, n, _ in gens)  # one episode per call
+    assert [i for _, i, *_ in gens] == [0, 1, 0, 0, 1]  # not grouped per turn
+    assert (fast.prompt_index, slow.prompt_index) == (0, 1)
+    assert (fast.extra_logs["turns"], slow.extra_logs["turns"]) == (3.0, 2.0)
+    assert (fast.reward, slow.reward) == (3.0, 2.0) and not fast.truncated and not slow.truncated
+
+
+class LateEnv:
+    """Done after 3 steps. Episodes of prompt ``late`` take their first step only once every episode
+    of the other prompt has ended (giving up after 5 s), so the engine sees the turns in another order."""
+
+    def __init__(self, late: int, ended: list, other_done: asyncio.Event) -> None:
+        self.late, self.ended, self.other_done, self.k = late, ended, other_done, 0
+
+    async def reset(self, *, prompt: str, label) -> None:
+        self.prompt = label
+
+    async def step(self, *, action: str) -> StepResult:
+        self.k += 1
+        if self.prompt == self.late and self.k == 1:
+            await asyncio.wait_for(self.other_done.wait(), 5)
+        if self.k == 3 and self.prompt != self.late:
+            self.ended.append(self.prompt)
+            if len(self.ended) == 2:  # both samples of the other prompt
+                self.other_done.set()
+        return StepResult(feedback="Again.", reward=0.0, done=self.k == 3)
+
+
+def test_samples_depend_on_seed_prompt_sample_and_turn_not_on_scheduling(hf_engine, tokenizer):
+    def run(late: int):
+        log: list = []
+        ended: list = []
+        other_done = asyncio.Event()
+        ex = MultiTurnExecutor(
+            engine=RecordingEngine(hf_engine, log),
+            params=SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, n=2, seed=11),
+            tokenizer=tokenizer,
+            env_factory=lambda: LateEnv(late, ended, other_done),
+            max_turns=4,
+        )
+        return ex.run(PROMPTS[:2], labels=[0, 1]), log
+
+    first, log_first = run(late=0)
+    second, log_second = run(late=1)
+    order = [[i for _, i, *_ in log] for log in (log_first, log_second)]
+    assert order[0] != order[1]  # the engine saw the episodes' turns in another order
+    assert order[0][-4:] == [0, 0, 0, 0] and order[1][-4:] == [1, 1, 1, 1]
+    for a, b in zip(first, second, strict=True):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs)
+    # turn t of sample j of prompt i: seed + (i * n + j) * max_turns + t, each used once
+    expected = sorted(11 + k * 4 + t for k in range(4) for t in range(3))
+    assert sorted(seed for *_, seed in log_first) == expected == sorted(seed for *_, seed in log_second)
+    assert len({tuple(t.token_ids) for t in first}) == 4  # the samples differ from one another
+
+
+# --- per-turn lengths ------------------------------------------------------------------------------------
+
+
+class ThreeTokenEngine:
+    """Every turn: 3 tokens, the last EOS (well under ``max_new_tokens``)."""
+
+    max_model_len = 512
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+
+    def generate(self, prompts, params):
+        from rlhf_rollout import Generation
+
+        ids = [30, 31, self.eos]
+        return [[Generation(token_ids=ids, logprobs=[-0.5] * 3, finish_reason="stop")] for _ in prompts]
+
+
+def test_max_turn_tokens_counts_one_turn_not_the_sum_over_turns(tokenizer):
+    """An overlong penalty compares ``max_turn_tokens`` with ``max_new_tokens``: 3 turns of 3 tokens
+    under ``max_new_tokens=8`` are 9 policy tokens, yet no turn came near the per-turn limit."""
+    ScriptedEnv.instances = []
+    ex = MultiTurnExecutor(
+        engine=ThreeTokenEngine(tokenizer.eos_token_id),
+        params=SamplingParams(max_new_tokens=8, n=2, seed=0),
+        tokenizer=tokenizer,
+        env_factory=lambda: ScriptedEnv(done_after=3),
+        max_turns=3,
+    )
+    trajs = ex.run(PROMPTS[:2])
+    for t in trajs:
+        turns = [e - s for flag, s, e in _runs(t.action_mask) if flag]
+        assert turns == [3, 3, 3] and sum(t.action_mask) == 9 > 8
+        assert t.extra_logs["max_turn_tokens"] == 3.0  # the longest turn, not 9
+        assert not t.truncated and t.extra_logs["turns"] == 3.0
+        assert t.reward == pytest.approx(0.1 + 0.2 + 0.3)

@@ -5,6 +5,7 @@ Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappe
 ``ray`` and ``fastapi`` are imported only by the modules that need them.
 """
 
+from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
 from rlhf_rollout.engine import (
     EngineCapabilities,
     RolloutEngine,
@@ -27,10 +28,10 @@ from rlhf_rollout.executors import (
 )
 from rlhf_rollout.hf_engine import TransformersEngine, process_logits
 from rlhf_rollout.openai_server import CallRecord, OpenAIServer
-from rlhf_rollout.ray_engines import EngineActor, EngineClient, create_engines
+from rlhf_rollout.ray_engines import AsyncEngineActor, EngineActor, EngineClient, create_engines
 from rlhf_rollout.remote_reward import RemoteReward, RemoteRewardError
 from rlhf_rollout.rewards import RewardFunction, RewardResult, RewardSource, load_reward_func
-from rlhf_rollout.types import FinishReason, Generation, SamplingParams
+from rlhf_rollout.types import FinishReason, Generation, SamplingParams, VersionSpan, oldest_version
 from rlhf_rollout.vllm_engine import VLLMEngine
 
 __version__ = "0.1.0"
@@ -38,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AgentEnv",
     "AgentExecutorBase",
+    "AsyncEngineActor",
+    "AsyncVLLMEngine",
     "CallRecord",
     "EngineActor",
     "EngineCapabilities",
@@ -61,12 +64,14 @@ __all__ = [
     "TransformersEngine",
     "UnsupportedOperationError",
     "VLLMEngine",
+    "VersionSpan",
     "WeightSyncRPC",
     "WeightSyncReport",
     "chat_feedback_tokens",
     "check_prompts",
     "create_engines",
     "load_reward_func",
+    "oldest_version",
     "process_logits",
     "trajectories_from_records",
 ]

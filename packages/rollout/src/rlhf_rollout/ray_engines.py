@@ -13,7 +13,7 @@ from rlhf_rollout.types import Generation, SamplingParams
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-__all__ = ["EngineActor", "EngineClient", "create_engines"]
+__all__ = ["AsyncEngineActor", "EngineActor", "EngineClient", "create_engines"]
 
 Backend = Literal["vllm", "transformers"]
 
@@ -89,6 +89,74 @@ class EngineActor:
         self.engine.shutdown()
 
 
+class AsyncEngineActor:
+    """Holds one :class:`~rlhf_rollout.async_vllm_engine.AsyncVLLMEngine` in an async Ray actor: its
+    methods are coroutines on one event loop, so a weight update, a pause or a version query is served
+    while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
+
+    def __init__(self, *, backend: Backend, engine_kwargs: dict[str, Any]) -> None:
+        if backend != "vllm":
+            raise ValueError(f"asynchronous engines are vLLM engines; got backend {backend!r}")
+        from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
+
+        self.engine = AsyncVLLMEngine(**engine_kwargs)
+
+    async def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        return await self.engine.generate(prompts, params)
+
+    async def capabilities(self) -> EngineCapabilities:
+        return self.engine.capabilities
+
+    async def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        await self.engine.init_weight_sync(
+            transport=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+
+    async def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        return await self.engine.receive_weights(timeout_s=timeout_s)
+
+    async def close_weight_sync(self) -> None:
+        await self.engine.close_weight_sync()
+
+    async def pause(self, *, mode: str = "keep") -> None:
+        await self.engine.pause(mode=mode)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def weight_version(self) -> int | None:
+        return await self.engine.weight_version()
+
+    async def sleep(self, *, level: int = 1) -> None:
+        await self.engine.sleep(level=level)
+
+    async def wake_up(self, *, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags=tags)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
 def create_engines(
     *,
     num_engines: int,
@@ -101,8 +169,11 @@ def create_engines(
     num_gpus_per_engine: float = 0.0,
     env_vars: dict[str, str] | None = None,
     start_timeout_s: float = 1800.0,
+    asynchronous: bool = False,
 ) -> list[Any]:
-    """Start ``num_engines`` :class:`EngineActor` s; returns their handles (ready when this returns).
+    """Start ``num_engines`` :class:`EngineActor` s (``asynchronous``: :class:`AsyncEngineActor` s over
+    vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles
+    (ready when this returns).
 
     Placement: with ``placement_group``, engine ``i`` takes the ``tensor_parallel_size`` bundles
     ``bundle_indices[i*tp : (i+1)*tp]`` (default ``range(num_engines * tp)``); the actor sits on the
@@ -122,11 +193,14 @@ def create_engines(
     bundle_indices = _resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
-    actor_cls = ray.remote(EngineActor)
+    actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
     handles = []
     for i in range(num_engines):
-        kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp)
+        kwargs = _engine_kwargs(
+            backend=backend, engine_kwargs=engine_kwargs, tp=tp, asynchronous=asynchronous
+        )
         options = _actor_options(
+            asynchronous=asynchronous,
             backend=backend,
             tp=tp,
             num_cpus=num_cpus_per_engine,
@@ -172,11 +246,13 @@ def _resolve_bundle_indices(
     return bundle_indices
 
 
-def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) -> dict[str, Any]:
+def _engine_kwargs(
+    *, backend: Backend, engine_kwargs: dict[str, Any], tp: int, asynchronous: bool = False
+) -> dict[str, Any]:
     """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
     and a default distributed executor: Ray when sharded, else ``"uni"`` (the worker runs inside the
     engine core, which :func:`_actor_options` keeps inside the actor: no processes to spawn, no
-    shared-memory queues between them)."""
+    shared-memory queues between them; an asynchronous engine's core always runs in a child process)."""
     kwargs = dict(engine_kwargs)
     if backend == "vllm":
         if kwargs.get("tensor_parallel_size", tp) != tp:
@@ -191,6 +267,7 @@ def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) 
 
 def _actor_options(
     *,
+    asynchronous: bool = False,
     backend: Backend,
     tp: int,
     num_cpus: float,
@@ -207,8 +284,9 @@ def _actor_options(
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if backend == "vllm" and tp > 1:
         options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
-    if backend == "vllm" and tp == 1:  # the engine core runs in the actor's own process
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if backend == "vllm" and tp == 1:  # the engine core runs in the actor's own process (or its child)
+        if not asynchronous:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if num_gpus == 0:  # on CPU its torch threads: Ray would give a fractional-CPU actor one
             env.setdefault("OMP_NUM_THREADS", str(max(1, round(num_cpus))))
     if placement_group is not None:
@@ -299,6 +377,18 @@ class EngineClient:
         import ray
 
         ray.get([e.reset_prefix_cache.remote() for e in self.engines], timeout=self.timeout_s)
+
+    def pause(self, *, mode: str = "keep") -> None:
+        """Pause every engine at a token boundary (:class:`AsyncEngineActor` only): ``keep`` freezes the
+        running requests until :meth:`resume`."""
+        import ray
+
+        ray.get([e.pause.remote(mode=mode) for e in self.engines], timeout=self.timeout_s)
+
+    def resume(self) -> None:
+        import ray
+
+        ray.get([e.resume.remote() for e in self.engines], timeout=self.timeout_s)
 
     # --- weight sync: non-blocking, because the sender must join while the engines wait -------------
     def init_weight_sync(

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["FinishReason", "Generation", "SamplingParams"]
+__all__ = ["FinishReason", "Generation", "SamplingParams", "VersionSpan", "oldest_version"]
 
 FinishReason = Literal["stop", "length", "abort"]
 """``stop``: the sample ended with EOS or a stop token (the token is included in ``token_ids``);
@@ -62,6 +62,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens ``[start, end)`` of a sequence were sampled by the weights labelled ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+
+def oldest_version(spans: tuple[VersionSpan, ...] | list[VersionSpan]) -> int | None:
+    """The oldest weight version that sampled any of the tokens (``None``: no spans, no labels)."""
+    return min((s.version for s in spans), default=None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Generation:
     """One sample: the generated tokens only (not the prompt) and the logprob of each."""
@@ -70,6 +84,9 @@ class Generation:
     logprobs: list[float]
     """``logprobs[t]`` is ``log p(token_ids[t] | prefix)`` under the processed sampling distribution."""
     finish_reason: FinishReason
+    weight_versions: tuple[VersionSpan, ...] = ()
+    """Which weights sampled which tokens, as spans over ``token_ids``: one span unless a weight update
+    landed mid-generation (partial rollout); empty when the engine labels no versions."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

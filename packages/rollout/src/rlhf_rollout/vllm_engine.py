@@ -11,9 +11,9 @@ from rlhf_rollout.engine import (
     WeightSyncReport,
     check_prompts,
 )
-from rlhf_rollout.types import Generation, SamplingParams
+from rlhf_rollout.types import Generation, SamplingParams, VersionSpan
 
-__all__ = ["VLLMEngine", "merge_worker_reports"]
+__all__ = ["VLLMEngine", "merge_worker_reports", "to_generation", "vllm_sampling_params"]
 
 
 class VLLMEngine:
@@ -109,36 +109,15 @@ class VLLMEngine:
         """The underlying ``vllm.LLM`` (for what this wrapper does not cover)."""
         return self._llm
 
-    def _sampling_params(self, params: SamplingParams, seed: int | None):
-        return self._vllm.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            seed=seed,
-            logprobs=0,
-            flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
-            detokenize=False,
-            **params.extra,
-        )
-
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
         from vllm.inputs import TokensPrompt
 
-        if params.seed is None:
-            sampling = self._sampling_params(params, None)
-        else:  # one request per prompt; vLLM gives sample j of a request the seed ``seed + j``
-            sampling = [
-                self._sampling_params(params, params.seed + i * params.n) for i in range(len(prompts))
-            ]
+        sampling = [vllm_sampling_params(params, i) for i in range(len(prompts))]
         outputs = self._llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False
         )
-        return [[_to_generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+        return [[to_generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
 
     # --- weight updates: forwarded by name to the worker extension -------------------------------------
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
@@ -177,7 +156,9 @@ class VLLMEngine:
         the workers' reports agree but for ``seconds``, which is the slowest worker's."""
         reports: list[WeightSyncReport] = self._rpc("receive_weights", dict(timeout_s=timeout_s))
         self.reset_prefix_cache()
-        return merge_worker_reports(reports)
+        report = merge_worker_reports(reports)
+        self._llm.llm_engine.set_weight_version(str(report["version"]))  # labels the tokens sampled next
+        return report
 
     def close_weight_sync(self) -> None:
         self._rpc("close_weight_sync", {})
@@ -205,7 +186,10 @@ class VLLMEngine:
         self._llm.wake_up()
 
     def reset_prefix_cache(self) -> None:
-        self._llm.reset_prefix_cache()
+        """Drop every cached prefix (stale after a weight update). Raises if vLLM refuses (it does while
+        requests run; none run between calls of this blocking engine)."""
+        if self._llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
@@ -217,7 +201,36 @@ class VLLMEngine:
             del llm
 
 
-def _to_generation(completion) -> Generation:
+def vllm_sampling_params(params: SamplingParams, prompt_index: int, *, final_only: bool = False):
+    """vLLM's ``SamplingParams`` for prompt ``prompt_index`` of a call: one request per prompt; with a
+    fixed seed vLLM gives sample ``j`` the seed ``seed + prompt_index * n + j``. ``final_only``: an async
+    engine yields the ``n`` finished samples once, not every step's progress."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+
+    seed = None if params.seed is None else params.seed + prompt_index * params.n
+    return vllm.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        seed=seed,
+        logprobs=0,
+        flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
+        detokenize=False,
+        output_kind=kind,
+        **params.extra,
+    )
+
+
+def to_generation(completion) -> Generation:
+    """One vLLM ``CompletionOutput`` as a :class:`Generation` (with its weight-version spans, whose
+    labels are the integers this package's engines set)."""
     token_ids = list(completion.token_ids)
     flat = completion.logprobs
     if getattr(flat, "token_ids", None) == token_ids:  # FlatLogprobs holding exactly the sampled tokens
@@ -227,7 +240,12 @@ def _to_generation(completion) -> Generation:
     reason = completion.finish_reason
     if reason not in ("stop", "length", "abort"):
         raise ValueError(f"vLLM returned an unknown finish_reason {reason!r}")
-    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    spans = tuple(
+        VersionSpan(int(s.version), s.start, s.end)
+        for s in (getattr(completion, "weight_versions", None) or ())
+        if str(s.version).lstrip("-").isdigit()
+    )
+    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, weight_versions=spans)
 
 
 def merge_worker_reports(reports: Sequence[WeightSyncReport]) -> WeightSyncReport:

@@ -12,5 +12,11 @@ class Section(BaseModel):
     ``--help`` line."""
 
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        frozen=False,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,  # a field named after a Python keyword (``async_``) is ``async`` outside
     )

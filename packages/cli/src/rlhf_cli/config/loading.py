@@ -81,33 +81,34 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return out
 
 
-def _children(cls: type) -> Iterator[tuple[str, Any, Any]]:
-    """``(name, annotation, default)`` of a section's fields."""
+def _children(cls: type) -> Iterator[tuple[str, str, Any, Any]]:
+    """``(name, attribute, annotation, default)`` of a section's fields; ``name`` is what flags and files
+    call it (a field's alias: ``async`` for the attribute ``async_``)."""
     if issubclass(cls, BaseModel):
-        for name, f in cls.model_fields.items():
+        for attr, f in cls.model_fields.items():
             default = f.default_factory() if f.default_factory is not None else f.default
-            yield name, f.annotation, default
+            yield f.alias or attr, attr, f.annotation, default
     else:
         hints = typing.get_type_hints(cls)
         instance_defaults = {}
         with contextlib.suppress(TypeError):
             instance_defaults = {f.name: getattr(cls(), f.name) for f in fields(cls)}
         for f in fields(cls):
-            yield f.name, hints[f.name], instance_defaults.get(f.name)
+            yield f.name, f.name, hints[f.name], instance_defaults.get(f.name)
 
 
 def iter_fields(cls: type, prefix: str = "", default: Any = None) -> Iterator[FieldInfo]:
     """Every leaf of the tree under ``cls`` with its dotted path, type, default and docstring."""
     docs = _attribute_docs(cls)
-    for name, annotation, dflt in _children(cls):
+    for name, attr, annotation, dflt in _children(cls):
         if default is not None:
-            dflt = getattr(default, name, dflt)
+            dflt = getattr(default, attr, dflt)
         path = f"{prefix}{name}"
         branch = _branch_type(annotation)
         if branch is not None:
             yield from iter_fields(branch, path + ".", dflt)
         else:
-            yield FieldInfo(path, annotation, dflt, docs.get(name, ""))
+            yield FieldInfo(path, annotation, dflt, docs.get(attr, ""))
 
 
 def _is_list(annotation: Any) -> bool:

@@ -150,6 +150,16 @@ class PPOConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _asynchronous(self) -> PPOConfig:
+        """Asynchronous training needs engines that serve weight updates while they generate."""
+        if self.train.async_.enabled and self.rollout.backend != "vllm":
+            raise ValueError(
+                f"--train.async.max_staleness {self.train.async_.max_staleness} needs --rollout.backend "
+                f"vllm (asynchronous engines are vLLM's AsyncLLM), got {self.rollout.backend}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _batches(self) -> PPOConfig:
         """Each group's ranks get equal shards that the micro-batch size divides."""
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})

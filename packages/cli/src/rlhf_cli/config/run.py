@@ -6,7 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from rlhf_learner import StrategyOptions
 
 from rlhf_cli.config._base import Section
@@ -14,6 +14,7 @@ from rlhf_cli.runtime.specs import ExportOptions
 
 __all__ = [
     "DS_FIELDS_SET_ELSEWHERE",
+    "AsyncConfig",
     "CkptConfig",
     "DataConfig",
     "EvalConfig",
@@ -78,6 +79,27 @@ def check_split(
         )
 
 
+class AsyncConfig(Section):
+    max_staleness: int = Field(0, ge=0)
+    """Weight versions a trained sample may lag the policy by (eta). 0: synchronous (generate, then train,
+    then sync). eta >= 1: generation runs ahead in a producer, starting a batch only while it stays within
+    eta + 1 batches of the trainer (staleness bounded at admission; nothing is dropped); needs vLLM."""
+    partial_rollout: bool = False
+    """A weight update may land mid-generation: the engines pause at a token boundary, load the weights and
+    go on (samples then mix versions; their staleness counts from their oldest token). Needs
+    max_staleness >= 1."""
+
+    @model_validator(mode="after")
+    def _partial_needs_async(self) -> AsyncConfig:
+        if self.partial_rollout and self.max_staleness == 0:
+            raise ValueError("--train.async.partial_rollout needs --train.async.max_staleness >= 1")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_staleness > 0
+
+
 class TrainConfig(Section):
     num_steps: int = Field(60, ge=1)
     """Training steps (one rollout batch and its updates each)."""
@@ -108,6 +130,8 @@ class TrainConfig(Section):
     """run_agent agents: seconds one episode (all its model calls) may take."""
     warmup_sft_steps: int = Field(40, ge=0)
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    """Asynchronous training: generation overlapping the updates."""
 
 
 class DataConfig(Section):

@@ -164,6 +164,7 @@ def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit:
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
         start_timeout_s=cfg.ray.timeout_s,
+        asynchronous=cfg.train.async_.enabled,  # pauses and weight updates served while generating
     )
     for h in handles:
         stop_at_exit(lambda h=h: _stop_engine(h))

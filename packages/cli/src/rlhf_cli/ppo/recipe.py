@@ -14,6 +14,7 @@ from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.ppo.components import Components, start_components
 from rlhf_cli.ppo.evaluation import evaluate, warmup
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller
+from rlhf_cli.ppo.pipeline import RolloutPipeline, staleness_metrics, timed_take
 from rlhf_cli.ppo.prompts import load_prompts, skipped_notes
 from rlhf_cli.ppo.rewards import RewardStage
 from rlhf_cli.ppo.rollout import RolloutStage
@@ -67,6 +68,20 @@ def _start(
     return c, state
 
 
+def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_step: int) -> RolloutPipeline:
+    """Rollouts for the steps left, made ahead of training by up to ``--train.async.max_staleness``."""
+    a = cfg.train.async_
+    return RolloutPipeline(
+        lambda step, version: rollout.produce(step, weight_version=version),
+        c.sync,
+        steps=range(first_step, cfg.train.num_steps + 1),
+        max_staleness=a.max_staleness,
+        partial_rollout=a.partial_rollout,
+        engines=c.engines,
+        timeout_s=cfg.ray.timeout_s,
+    )
+
+
 def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     """Train. ``engines``: running rollout engines to use instead of starting ``--vllm.num_engines``
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
@@ -89,6 +104,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state, notes=notes)
         schedule = EvalSchedule(every=cfg.eval.every if eval_set else 0, last_step=cfg.train.num_steps)
         gpu = r.plan.device == "cuda"  # groups on their own GPUs: their forwards overlap
+        rollouts = _pipeline(cfg, rollout, c, first_step=state.step + 1)
+        r.stop_at_exit(rollouts.close)
 
         def evaluated(due: bool) -> dict[str, float]:
             return evaluate(cfg, make_executor, eval_set, c.reward) if due else {}
@@ -97,10 +114,13 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         for step in range(state.step + 1, cfg.train.num_steps + 1):
             t0 = time.perf_counter()
             before = evaluated(schedule.before(step))
-            batch = rollout.produce(step, weight_version=c.sync.version)  # engines -> rewards -> filter
+            batch, waited = timed_take(rollouts, step)  # engines -> rewards -> filter (maybe made ahead)
             exp = make_experience(cfg, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu)
             upd = update(cfg, exp.samples, actor=c.actor, critic=c.critic, kl_coef=kl_ctl.value, step=step)
-            synced = c.sync.push(version=c.sync.version + 1)  # actor -> engines
+            lag = staleness_metrics(
+                batch, policy_version=rollouts.policy_version(step), eta=rollouts.max_staleness
+            )
+            synced = rollouts.sync()  # actor -> engines, as the next version
             if cfg.algo.kl.enabled:
                 kl_ctl.update(
                     exp.kl_mean if exp.kl_mean is not None else upd.kl_mean or 0.0, len(exp.samples)
@@ -110,15 +130,17 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
             state = RunState(
                 step=step,
                 weight_version=c.sync.version,
-                cursor=train_set.cursor,
+                cursor=batch.cursor,
                 kl_coef=kl_ctl.value,
                 wandb_run_id=tracker.wandb_run_id,
             )
-            metrics = before | batch.metrics() | exp.metrics() | upd.metrics() | synced.metrics() | timing
+            metrics = before | batch.metrics() | exp.metrics() | upd.metrics() | synced.metrics() | lag
+            metrics |= waited | timing
             tracker.log(step, metrics | after)
             r.checkpoint(state, c.learner_groups())
 
         # ---- clean-up -------------------------------------------------------------------------------
+        rollouts.close()
         final = r.run_dir / "final_model"
         c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
         summary = tracker.close()

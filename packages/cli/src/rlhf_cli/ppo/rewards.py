@@ -34,14 +34,15 @@ class RewardStage:
 
     def reward(self, t: Trajectory) -> float:
         """The trajectory's reward, stop-penalised when truncated, plus the overlong penalty on the
-        policy's own tokens (environment tokens of a multi-turn episode excluded)."""
+        policy's own tokens of one turn, as ``max_new_tokens`` limits them: a multi-turn episode's
+        longest turn (its ``max_turn_tokens`` log; environment tokens and other turns excluded)."""
         algo = self.cfg.algo
         reward = float(t.reward)
         if algo.stop_penalty is not None:
             truncated = torch.tensor([t.truncated])
             reward = float(stop_penalty(torch.tensor([reward]), truncated, coef=algo.stop_penalty)[0])
         if algo.overlong.buffer_length:
-            generated = torch.tensor([sum(t.action_mask)])
+            generated = torch.tensor([t.extra_logs.get("max_turn_tokens", sum(t.action_mask))])
             reward += float(
                 overlong_penalty(
                     generated,

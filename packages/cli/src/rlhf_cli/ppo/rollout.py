@@ -3,6 +3,7 @@ filtering with refill (DAPO) -> samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,9 +12,9 @@ import torch
 from rlhf_algos import dynamic_filter
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample
-from rlhf_cli.data.prompts import PromptSet
+from rlhf_cli.data.prompts import PromptCursor, PromptSet
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
-from rlhf_rollout import AgentExecutorBase, SamplingParams, Trajectory
+from rlhf_rollout import AgentExecutorBase, SamplingParams, Trajectory, oldest_version
 
 __all__ = ["RolloutBatch", "RolloutStage"]
 
@@ -25,6 +26,9 @@ class RolloutBatch:
     step: int
     samples: list[Sample]
     weight_version: int
+    """The engines' version when the batch was started (a sample's own is that of its oldest token)."""
+    cursor: PromptCursor
+    """Where the data order stood after this batch's prompts (what a checkpoint after it resumes from)."""
     generation_s: float
     reward_s: float
     filter_rounds: int | None = None
@@ -104,6 +108,7 @@ class RolloutStage:
             step=step,
             samples=[self._sample(t, i // n, weight_version) for i, t in enumerate(trajs)],
             weight_version=weight_version,
+            cursor=dataclasses.replace(self.prompts.cursor),
             generation_s=t_gen,
             reward_s=t_reward,
             filter_rounds=rounds if df.enable else None,
@@ -112,6 +117,7 @@ class RolloutStage:
         )
 
     def _sample(self, t: Trajectory, group: int, version: int) -> Sample:
+        oldest = oldest_version(t.weight_versions)  # None: the engine labels no versions
         return Sample(
             token_ids=torch.tensor(t.token_ids, dtype=torch.long),
             action_mask=torch.tensor(t.action_mask, dtype=torch.bool),
@@ -120,5 +126,5 @@ class RolloutStage:
             reward=self.rewards.reward(t),
             truncated=bool(t.truncated),
             prompt_index=group,
-            weight_version=version,
+            weight_version=version if oldest is None else oldest,
         )

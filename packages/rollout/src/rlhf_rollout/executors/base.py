@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_rollout.engine import TokenGenerator
-from rlhf_rollout.types import Generation, SamplingParams
+from rlhf_rollout.types import Generation, SamplingParams, VersionSpan
 
 __all__ = ["AgentExecutorBase", "Trajectory", "agenerate"]
 
@@ -42,6 +42,9 @@ class Trajectory:
     prompt_index: int = 0
     sample_index: int = 0
     extra_logs: dict[str, float] = field(default_factory=dict)
+    weight_versions: tuple[VersionSpan, ...] = ()
+    """Which weight versions sampled the policy's tokens, as spans over ``token_ids`` (several when a
+    weight update landed mid-generation; empty when the engine labels no versions)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -70,6 +73,9 @@ class Trajectory:
             reward=reward,
             score=score,
             truncated=generation.finish_reason == "length",
+            weight_versions=tuple(
+                VersionSpan(v.version, v.start + len(p), v.end + len(p)) for v in generation.weight_versions
+            ),
             **fields,
         )
 

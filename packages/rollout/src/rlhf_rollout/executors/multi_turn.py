@@ -18,7 +18,7 @@ from rlhf_rollout.executors.base import (
     check_prompt_lengths,
     engine_max_model_len,
 )
-from rlhf_rollout.types import SamplingParams
+from rlhf_rollout.types import SamplingParams, VersionSpan
 
 __all__ = ["AgentEnv", "MultiTurnExecutor", "StepResult", "chat_feedback_tokens"]
 
@@ -66,14 +66,24 @@ def chat_feedback_tokens(tokenizer: Any) -> Callable[[str, bool], list[int]]:
 class MultiTurnExecutor(AgentExecutorBase):
     """Drive one ``env_factory()`` per sample for up to ``max_turns`` turns.
 
-    Turns run in lockstep: all live episodes generate in one engine call (grouped by sampling
-    parameters), then all environments step concurrently. The context of turn ``k`` is exactly the
-    token ids so far: the prompt, the engine's sampled ids (action, mask 1, with their logprobs) and
-    the rendered feedback (mask 0, logprob 0). Model tokens are decoded only to show the environment
-    the text; they are never re-encoded. The reward is the sum of step rewards. ``truncated`` is set
-    when ``max_turns`` or ``max_length`` (total tokens) ends an episode the environment did not end.
+    Each episode advances on its own: one asyncio task per sample runs reset, then its own loop of
+    generate (one engine call per turn: that episode's context, ``n=1``) -> ``env.step`` -> append the
+    feedback, with its own turn counter. An episode that ends early never waits for slower ones;
+    episodes share the engine concurrently (``EngineClient.agenerate`` on Ray); a local engine takes
+    their calls one at a time, in the order they were asked for. The context of turn ``k`` is exactly
+    the token ids so far: the prompt, the engine's sampled ids (action, mask 1, with their logprobs)
+    and the rendered feedback (mask 0, logprob 0). Model tokens are decoded only to show the
+    environment the text; they are never re-encoded. The reward is the sum of step rewards.
+    ``truncated`` is set when ``max_turns`` or ``max_length`` (total tokens) ends an episode the
+    environment did not end; a turn that stops at ``max_new_tokens`` does not end the episode.
+    With a fixed ``seed`` (the executor's, or one a ``StepResult.params`` sets), turn ``t`` of sample
+    ``j`` of prompt ``i`` samples with ``seed + (i * n + j) * max_turns + t``, whatever the scheduling.
+    ``extra_logs`` holds the environment's last values, ``turns`` and ``max_turn_tokens`` (the most
+    tokens the policy generated in one turn: what a per-turn length penalty compares to
+    ``max_new_tokens``). Output is prompt-major: sample ``j`` of prompt ``i`` at ``i * n + j``.
     An environment's ``reset`` / ``step`` that raises, returns a reward that is not a finite number, or
-    (with ``step_timeout_s``) takes longer fails the batch naming the prompt, sample and turn.
+    (with ``step_timeout_s``) takes longer fails the batch naming the prompt, sample and turn; the
+    other episodes are cancelled.
     """
 
     def __init__(
@@ -109,35 +119,38 @@ class MultiTurnExecutor(AgentExecutorBase):
         limit = min(self.max_length or engine_limit, engine_limit)
         what = "the engine's max_model_len" if limit == engine_limit else "the executor's max_length"
         check_prompt_lengths(prompts, limit, what=what)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
         eps = [
             _Episode(i=i, j=j, env=self.env_factory(), tokens=list(p), params=self.params)
             for i, p in enumerate(prompts)
             for j in range(self.samples_per_prompt)
         ]
         texts = [self.tokenizer.decode(list(p), skip_special_tokens=True) for p in prompts]
-        await asyncio.gather(
-            *(self._env_call(e, "reset", 0, prompt=texts[e.i], label=labels[e.i]) for e in eps)
-        )
-        for turn in range(self.max_turns):
-            live = [e for e in eps if not e.finished]
-            if not live:
-                break
-            await self._generate(live, turn, limit)
-            results = await asyncio.gather(
-                *(
-                    self._env_call(
-                        e,
-                        "step",
-                        turn + 1,
-                        action=self.tokenizer.decode(e.last_action, skip_special_tokens=True),
-                    )
-                    for e in live
-                )
-            )
-            for e, res in zip(live, results, strict=True):
-                self._apply(e, res, eos, limit, last_turn=turn == self.max_turns - 1)
+        # Local engines run one call at a time anyway: queue their calls here, first come first
+        # served, rather than as threads waiting on the engine's lock.
+        queue = None if hasattr(self.engine, "agenerate") else asyncio.Lock()
+        tasks = [asyncio.ensure_future(self._episode(e, texts[e.i], labels[e.i], limit, queue)) for e in eps]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return [e.trajectory(len(prompts[e.i])) for e in eps]
+
+    async def _episode(
+        self, e: _Episode, text: str, label: Any, limit: int, queue: asyncio.Lock | None
+    ) -> None:
+        """One episode from reset to its end: generate -> step -> feedback, turn after turn."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        await self._env_call(e, "reset", 0, prompt=text, label=label)
+        for turn in range(self.max_turns):
+            await self._generate(e, turn, limit, queue)
+            action = self.tokenizer.decode(e.last_action, skip_special_tokens=True)
+            res = await self._env_call(e, "step", turn + 1, action=action)
+            self._apply(e, res, eos, limit, last_turn=turn == self.max_turns - 1)
+            if e.finished:
+                return
 
     async def _env_call(self, e: _Episode, method: str, turn: int, **kwargs: Any) -> Any:
         """``e.env.<method>(**kwargs)``, bounded by ``step_timeout_s``; failures name the episode."""
@@ -163,24 +176,28 @@ class MultiTurnExecutor(AgentExecutorBase):
                 )
         return result
 
-    async def _generate(self, live: list[_Episode], turn: int, limit: int) -> None:
-        groups: dict[SamplingParams, list[_Episode]] = {}
-        for e in live:
-            p = e.params
-            if p.seed is not None:
-                p = replace(p, seed=p.seed + 7919 * turn)
-            room = limit - len(e.tokens)
-            groups.setdefault(replace(p, max_new_tokens=max(1, min(p.max_new_tokens, room))), []).append(e)
-        for p, group in groups.items():
-            gens = await agenerate(self.engine, [e.tokens for e in group], p)
-            for e, per_prompt in zip(group, gens, strict=True):
-                g = per_prompt[0]
-                e.tokens += g.token_ids
-                e.mask += [True] * len(g.token_ids)
-                e.logprobs += g.logprobs
-                e.last_action = list(g.token_ids)
-                e.last_finish = g.finish_reason
-                e.turns += 1
+    async def _generate(self, e: _Episode, turn: int, limit: int, queue: asyncio.Lock | None) -> None:
+        """Turn ``turn`` of one episode: one engine call on its context, one sample."""
+        p = e.params
+        if p.seed is not None:  # a function of (seed, prompt, sample, turn) alone, not of timing
+            p = replace(p, seed=p.seed + (e.i * self.samples_per_prompt + e.j) * self.max_turns + turn)
+        room = limit - len(e.tokens)
+        p = replace(p, n=1, max_new_tokens=max(1, min(p.max_new_tokens, room)))
+        if queue is None:
+            gens = await agenerate(self.engine, [e.tokens], p)
+        else:
+            async with queue:
+                gens = await agenerate(self.engine, [e.tokens], p)
+        g = gens[0][0]
+        e.versions += [
+            VersionSpan(v.version, v.start + len(e.tokens), v.end + len(e.tokens)) for v in g.weight_versions
+        ]
+        e.tokens += g.token_ids
+        e.mask += [True] * len(g.token_ids)
+        e.logprobs += g.logprobs
+        e.last_action = list(g.token_ids)
+        e.turn_tokens.append(len(g.token_ids))
+        e.turns += 1
 
     def _apply(self, e: _Episode, res: StepResult, eos: int | None, limit: int, *, last_turn: bool) -> None:
         e.reward += float(res.reward)
@@ -216,9 +233,12 @@ class _Episode:
     finished: bool = False
     truncated: bool = False
     last_action: list[int] = field(default_factory=list)
-    last_finish: str = ""
+    turn_tokens: list[int] = field(default_factory=list)
+    """Tokens the policy generated in each turn so far."""
     extra: dict[str, float] = field(default_factory=dict)
     turns: int = 0
+    versions: list[VersionSpan] = field(default_factory=list)
+    """Weight-version spans of the policy's tokens, over the whole sequence."""
 
     def trajectory(self, prompt_len: int) -> Trajectory:
         return Trajectory(
@@ -231,5 +251,10 @@ class _Episode:
             truncated=self.truncated,
             prompt_index=self.i,
             sample_index=self.j,
-            extra_logs={**self.extra, "turns": float(self.turns)},
+            weight_versions=tuple(self.versions),
+            extra_logs={
+                **self.extra,
+                "turns": float(self.turns),
+                "max_turn_tokens": float(max(self.turn_tokens, default=0)),
+            },
         )

@@ -1,0 +1,188 @@
+"""Rollouts ahead of training, with the staleness bounded when a batch is admitted (AReaL's rule).
+
+The trainer asks for step ``s``'s batch (:meth:`RolloutPipeline.take`) and, after its update, syncs the
+new weights (:meth:`RolloutPipeline.sync`). With ``max_staleness`` eta = 0 the batch is produced when
+asked, so generation, training and sync alternate exactly as in synchronous training. With eta >= 1 a
+producer thread generates ahead: step ``s``'s batch is started only once the engines hold version
+``P(s) - eta``, where ``P(s)`` is the version the trainer will update at step ``s`` (one more per step).
+So a trained sample lags the policy by at most eta versions and the producer is never more than eta + 1
+batches ahead; nothing generated is dropped (which would favour short answers). Each sync happens
+between batches, under a lock the producer holds while generating, so no sample mixes versions, unless
+``partial_rollout``: then the engines pause at a token boundary, load the weights and resume, and a
+sample's staleness counts from its oldest token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from rlhf_cli.ppo.rollout import RolloutBatch
+from rlhf_cli.runtime.weight_sync import SyncReport
+
+__all__ = ["Pausable", "RolloutPipeline", "WeightPush", "staleness_metrics"]
+
+
+class WeightPush(Protocol):
+    """The trainer's weight sync (``EngineWeightSync``): the engines' version, and a push of the next."""
+
+    version: int
+
+    def push(self, *, version: int) -> SyncReport: ...
+
+
+class Pausable(Protocol):
+    """Engines that stop at a token boundary and go on (``EngineClient`` over asynchronous engines)."""
+
+    def pause(self, *, mode: str = "keep") -> None: ...
+
+    def resume(self) -> None: ...
+
+
+Produce = Callable[[int, int], RolloutBatch]
+"""``produce(step, weight_version) -> RolloutBatch`` (``RolloutStage.produce``)."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+class RolloutPipeline:
+    """Hands the trainer one :class:`RolloutBatch` per step; see the module docstring for the rule.
+
+    ``steps``: the steps to produce, in order. ``threaded``: run the producer thread even at eta = 0 (the
+    same schedule as producing inline; tests compare the two). ``timeout_s`` bounds every wait.
+    """
+
+    def __init__(
+        self,
+        produce: Produce,
+        weights: WeightPush,
+        *,
+        steps: range,
+        max_staleness: int = 0,
+        partial_rollout: bool = False,
+        engines: Pausable | None = None,
+        timeout_s: float = 3600.0,
+        threaded: bool | None = None,
+    ) -> None:
+        if partial_rollout and (max_staleness < 1 or engines is None):
+            raise ValueError("partial rollout needs max_staleness >= 1 and engines that pause")
+        self.produce, self.weights, self.steps = produce, weights, steps
+        self.max_staleness, self.partial, self.engines = max_staleness, partial_rollout, engines
+        self.timeout_s = timeout_s
+        self.first_version = weights.version
+        self._changed = threading.Condition()  # the engines' version moved, or the pipeline stops
+        self._generating = threading.Lock()  # held while a batch generates (no sync then, unless partial)
+        self._ready: queue.Queue[RolloutBatch | _Failed] = queue.Queue()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.produced_ahead: list[int] = []
+        """For each batch taken: batches produced but not yet taken at that moment (including it)."""
+        if threaded if threaded is not None else max_staleness > 0:
+            self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+            self._thread.start()
+
+    def policy_version(self, step: int) -> int:
+        """The version the trainer updates at ``step`` (the engines' version when its batch is taken in
+        synchronous training)."""
+        return self.first_version + (step - self.steps.start)
+
+    def admits(self, step: int, engine_version: int) -> bool:
+        """Step ``step``'s batch may start on engines holding ``engine_version``."""
+        return engine_version >= self.policy_version(step) - self.max_staleness
+
+    def take(self, step: int) -> RolloutBatch:
+        """Step ``step``'s batch (they are taken in order)."""
+        if self._thread is None:
+            self.produced_ahead.append(1)
+            return self.produce(step, self.weights.version)
+        try:
+            got = self._ready.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no rollout batch for step {step} within {self.timeout_s:.0f} s") from None
+        if isinstance(got, _Failed):
+            raise got.error
+        if got.step != step:
+            raise RuntimeError(f"the producer made step {got.step}'s batch where step {step}'s was due")
+        self.produced_ahead.append(self._ready.qsize() + 1)
+        return got
+
+    def sync(self) -> SyncReport:
+        """Push the trainer's weights as the next version: between batches (the producer's batch in flight
+        finishes first), or, with partial rollout, into paused engines."""
+        version = self.weights.version + 1
+        if self.partial:
+            assert self.engines is not None
+            self.engines.pause(mode="keep")
+            try:
+                report = self.weights.push(version=version)
+            finally:
+                self.engines.resume()
+        else:
+            if not self._generating.acquire(timeout=self.timeout_s):
+                raise TimeoutError(f"a rollout batch kept the engines more than {self.timeout_s:.0f} s")
+            try:
+                report = self.weights.push(version=version)
+            finally:
+                self._generating.release()
+        with self._changed:
+            self._changed.notify_all()
+        return report
+
+    def close(self) -> None:
+        """Stop the producer (a batch generating finishes first, within ``timeout_s``)."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s)
+
+    def _run(self) -> None:
+        try:
+            for step in self.steps:
+                with self._changed:
+                    while not self._stopping and not self.admits(step, self.weights.version):
+                        self._changed.wait(timeout=1.0)
+                    if self._stopping:
+                        return
+                if self.partial:
+                    batch = self.produce(step, self.weights.version)
+                else:
+                    with self._generating:
+                        batch = self.produce(step, self.weights.version)
+                self._ready.put(batch)
+        except BaseException as err:  # handed to the trainer, which raises it
+            self._ready.put(_Failed(err))
+
+
+def staleness_metrics(batch: RolloutBatch, *, policy_version: int, eta: int) -> dict[str, float]:
+    """``sync/staleness_*``: how many versions the batch's samples lag the policy they train (mean, max and
+    the share at each lag 0..eta)."""
+    lag = policy_version - torch.tensor([s.weight_version for s in batch.samples], dtype=torch.float64)
+    out = {"sync/staleness_mean": float(lag.mean()), "sync/staleness_max": float(lag.max())}
+    for k in range(eta + 1):
+        out[f"sync/staleness_{k}_frac"] = float((lag == k).double().mean())
+    return out
+
+
+def wait_metrics(seconds: float, ahead: int | None) -> dict[str, float]:
+    """``time/wait_rollout`` (the trainer idle, waiting for a batch) and ``async/batches_ahead``."""
+    out = {"time/wait_rollout": seconds}
+    if ahead is not None:
+        out["async/batches_ahead"] = float(ahead)
+    return out
+
+
+def timed_take(pipeline: RolloutPipeline, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """Step ``step``'s batch and the wait metrics of taking it."""
+    t0 = time.perf_counter()
+    batch = pipeline.take(step)
+    ahead = pipeline.produced_ahead[-1] if pipeline.produced_ahead else None
+    return batch, wait_metrics(time.perf_counter() - t0, ahead)

@@ -1,0 +1,235 @@
+"""vLLM's ``AsyncLLM`` behind the engine protocol, with coroutines: weight updates, pauses and version
+labels are accepted while requests generate (what asynchronous training and partial rollout need)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+from rlhf_rollout.engine import (
+    EngineCapabilities,
+    UnsupportedOperationError,
+    WeightSyncReport,
+    check_prompts,
+)
+from rlhf_rollout.types import Generation, SamplingParams
+from rlhf_rollout.vllm_engine import merge_worker_reports, to_generation, vllm_sampling_params
+
+__all__ = ["AsyncVLLMEngine"]
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+class AsyncVLLMEngine:
+    """A ``vllm.v1.engine.async_llm.AsyncLLM`` (its engine core runs in a child process).
+
+    Every method that talks to the engine is a coroutine, so one event loop can generate and, meanwhile,
+    pause the engine at a token boundary (:meth:`pause`), load new weights (:meth:`receive_weights`, which
+    labels the tokens sampled afterwards with the new version) and resume. Each :class:`Generation`
+    carries ``weight_versions``: which version sampled which of its tokens. Options are those of
+    :class:`~rlhf_rollout.vllm_engine.VLLMEngine`; sleep mode is GPU only, as there.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = False,
+        worker_extension_cls: str | None = None,
+        distributed_executor_backend: str | None = None,
+        gpu_memory_utilization: float | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._on_cpu = bool(current_platform.is_cpu())
+        if enable_sleep_mode and self._on_cpu:
+            raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode (GPU only)")
+        kwargs: dict[str, Any] = dict(
+            model=str(model),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            worker_extension_cls=worker_extension_cls or "",
+            distributed_executor_backend=distributed_executor_backend,
+        )
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        overlap = set(kwargs) & set(engine_kwargs or {})
+        if overlap:
+            raise ValueError(f"engine_kwargs repeats typed options {sorted(overlap)}; pass them by name")
+        kwargs.update(engine_kwargs or {})
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        config = self._llm.model_config
+        self._max_model_len = int(config.max_model_len)
+        self._vocab_size = int(config.get_vocab_size())
+        self._sleep_enabled = enable_sleep_mode
+        self._extension = worker_extension_cls
+        self._prefix_caching = enable_prefix_caching
+        self._ids = itertools.count()
+        self._labelled = False  # the weights read at start-up are labelled version 0 on first use
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        notes = ["vLLM's CPU backend has no sleep mode"] if self._on_cpu else []
+        if not self._on_cpu and not self._sleep_enabled:
+            notes.append("sleep mode needs enable_sleep_mode=True")
+        if self._extension is None:
+            notes.append("weight sync needs worker_extension_cls")
+        notes.append("load_weights: not supported; weights go through the worker extension")
+        return EngineCapabilities(
+            backend="vllm-cpu" if self._on_cpu else "vllm",
+            sleep=self._sleep_enabled and not self._on_cpu,
+            prefix_cache=self._prefix_caching,
+            weight_sync_extension=self._extension is not None,
+            load_weights=False,
+            notes="; ".join(notes),
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Generation]]:
+        """All prompts as concurrent requests; per prompt its ``params.n`` generations in sample order."""
+        check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
+        return list(await asyncio.gather(*(self._one(p, params, i) for i, p in enumerate(prompts))))
+
+    async def _one(self, prompt: Sequence[int], params: SamplingParams, index: int) -> list[Generation]:
+        final = None
+        async for out in self._requests(prompt, params, index, final_only=True):
+            final = out
+        assert final is not None and final.finished
+        return [to_generation(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    async def stream(
+        self, prompt: Sequence[int], params: SamplingParams, *, prompt_index: int = 0
+    ) -> AsyncIterator[list[Generation]]:
+        """One prompt's ``params.n`` generations so far, after every step of the engine (the last one
+        yielded is final; weight-version spans are only on a finished sample). ``prompt_index`` places the
+        prompt in a call for its seed (see :class:`~rlhf_rollout.types.SamplingParams`)."""
+        latest: dict[int, Any] = {}  # vLLM streams each of the n samples on its own: keep each one's last
+        async for out in self._requests(prompt, params, prompt_index, final_only=False):
+            latest.update((c.index, c) for c in out.outputs)
+            yield [_partial(latest[i]) for i in sorted(latest)]
+
+    async def _requests(self, prompt: Sequence[int], params: SamplingParams, index: int, *, final_only: bool):
+        from vllm.inputs import TokensPrompt
+
+        check_prompts([prompt], max_model_len=self._max_model_len, vocab_size=self._vocab_size)
+        if not self._labelled:
+            await self._label(0)
+        request = TokensPrompt(prompt_token_ids=list(prompt))
+        sampling = vllm_sampling_params(params, index, final_only=final_only)
+        async for out in self._llm.generate(request, sampling, request_id=f"rlhf-{next(self._ids)}"):
+            yield out
+
+    # --- pausing: requests stay where they are; their KV is recomputed with the new weights ----------
+    async def pause(self, *, mode: PauseMode = "keep") -> None:
+        """Stop scheduling at the next token boundary. ``keep`` freezes running requests (they go on
+        after :meth:`resume`, their caches dropped so the rest is computed with the weights then loaded);
+        ``wait`` lets them finish first; ``abort`` ends them (finish reason ``abort``)."""
+        await self._llm.pause_generation(mode=mode, clear_cache=True)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self._llm.is_paused())
+
+    # --- weight updates: forwarded by name to the worker extension -------------------------------------
+    async def _rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
+        if self._extension is None:
+            raise UnsupportedOperationError(
+                f"{method}: this engine was built without worker_extension_cls, so its workers have no "
+                f"{method!r} method"
+            )
+        return await self._llm.collective_rpc(method, timeout=timeout_s, kwargs=kwargs)
+
+    async def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        kwargs = dict(
+            transport=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+        await self._rpc("init_weight_sync", kwargs)
+
+    async def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        """Receive one sync on every worker, drop the caches computed with the old weights, and label the
+        tokens sampled from now on with the sync's version."""
+        reports: list[WeightSyncReport] = await self._rpc("receive_weights", dict(timeout_s=timeout_s))
+        report = merge_worker_reports(reports)
+        await self.reset_prefix_cache()
+        await self._label(report["version"])
+        return report
+
+    async def _label(self, version: int) -> None:
+        """Tokens sampled from now on carry ``version`` in their spans."""
+        await self._llm.update_weight_version(str(version))
+        self._labelled = True
+
+    async def close_weight_sync(self) -> None:
+        await self._rpc("close_weight_sync", {})
+
+    async def weight_version(self) -> int | None:
+        label = await self._llm.get_weight_version()
+        return int(label) if label is not None and str(label).lstrip("-").isdigit() else None
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix. vLLM refuses while requests run (their blocks are in use): then the
+        running requests are reset too (their caches are recomputed when they are next scheduled)."""
+        if not await self._llm.reset_prefix_cache() and not await self._llm.reset_prefix_cache(
+            reset_running_requests=True
+        ):
+            raise RuntimeError("vLLM refused to reset its prefix cache, even resetting running requests")
+
+    async def sleep(self, *, level: int = 1) -> None:
+        if not self.capabilities.sleep:
+            raise UnsupportedOperationError(f"sleep: {self.capabilities.notes}")
+        await self._llm.sleep(level=level)
+
+    async def wake_up(self, *, tags: list[str] | None = None) -> None:
+        if not self.capabilities.sleep:
+            raise UnsupportedOperationError(f"wake_up: {self.capabilities.notes}")
+        await self._llm.wake_up(tags=tags)
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+
+def _partial(completion) -> Generation:
+    """A completion as a :class:`Generation`; before it finished its finish reason reads ``length``."""
+    if not completion.finish_reason:
+        completion = copy.copy(completion)
+        completion.finish_reason = "length"
+    return to_generation(completion)
