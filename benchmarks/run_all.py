@@ -44,6 +44,7 @@ BENCHES = (
     Bench("learner_cpu", ("--repeats", "2"), 300),
     Bench("rollout_cpu", ("--models", "tiny", "--repeats", "3"), 300),
     Bench("profile_ppo_step", ("--models", "tiny", "--steps", "5"), 300),
+    Bench("ppo_async_cpu", ("--steps", "6", "--modes", "sync unpinned,async eta=1"), 600),
     Bench(
         "e2e_grpo_vs_trl",
         ("--models", "tiny,small", "--steps", "6", "--ours-flags=--ds.precision bf16"),

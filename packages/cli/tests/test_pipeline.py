@@ -129,7 +129,7 @@ def test_at_eta_zero_the_producer_thread_follows_the_synchronous_order():
 
 
 def test_partial_rollout_syncs_only_into_paused_engines_and_counts_the_oldest_token():
-    eng, pipe, lags = drive(1, partial=True, steps=40, seed=3)
+    eng, _, lags = drive(1, partial=True, steps=40, seed=3)
     pushes = [e for e in eng.events if e[0] == "push"]
     assert all(paused for *_, paused in pushes)
     assert any(generating for _, _, generating, _ in pushes)  # some landed mid-batch (the point of it)

@@ -251,3 +251,43 @@ def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, l
     tiny = make_plan(ppo("--actor.pretrain", str(write_config(tmp_path / "tiny")), *flags), CPU)
     assert tiny.group("engines").threads == (3 if "--ray.threads_per_rank" in flags else 1)
     assert make_plan(cfg, gpu(80.0, gpus=8)).group("engines").threads == 0  # GPU engines set their own
+
+
+def test_asynchronous_cpu_runs_pin_engines_and_reference_apart_from_the_trained_groups(tmp_path):
+    model = str(write_config(tmp_path / "m", layers=4, hidden=512))
+    kl = ("--actor.pretrain", model, "--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true")
+    plan = make_plan(ppo(*kl, "--train.async.max_staleness", "1"), CPU)
+    assert plan.group("engines").cores == plan.group("ref").cores == tuple(range(8))
+    assert plan.group("actor").cores == tuple(range(8, 16)) and plan.group("actor").threads == 8
+    assert "on core(s) 8-15" in plan.render()
+    sync = make_plan(ppo(*kl), CPU)
+    assert all(g.cores == () for g in sync.groups)  # synchronous: every stage has every core
+    pinned = make_plan(ppo(*kl, "--train.pin_cores", "true"), CPU)
+    assert pinned.group("ref").cores == pinned.group("actor").cores == tuple(range(8, 16))
+    assert make_plan(ppo(*kl, "--train.async.max_staleness", "1"), gpu(80.0)).group("actor").cores == ()
+
+
+def test_colocated_groups_share_the_hosts_bundles_and_the_plan_shows_the_device_memory(tmp_path):
+    model = str(write_config(tmp_path / "m", layers=4, hidden=512))
+    cfg = ppo("--actor.pretrain", model, "--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true")
+    apart = make_plan(cfg, gpu(80.0))
+    together = make_plan(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"colocate_all": True})}), gpu(80.0)
+    )
+    actor, ref, eng = (together.group(n) for n in ("actor", "ref", "engines"))
+    assert actor.members == ("ref", "engines") and ref.share == eng.share == "actor"
+    assert actor.bundle["GPU"] == ref.bundle["GPU"] == eng.bundle["GPU"] == pytest.approx(1 / 3)
+    assert apart.transport == "nccl" and together.transport == "cuda_ipc"  # a shared GPU: CUDA IPC
+    need = sum(g.memory_gib for g in (actor, ref, eng))
+    assert (
+        f"colocated: actor + ref + engines share actor's 1 bundle(s); {need:.2f} GiB per device of 80.0 GiB"
+        in (together.render())
+    )
+    pair = ppo("--actor.pretrain", model, "--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true")
+    pair = pair.model_copy(update={"train": pair.train.model_copy(update={"colocate_actor_ref": True})})
+    assert pair.colocated == [("actor", "ref")] and not pair.colocates_engines
+
+
+def test_colocation_and_asynchronous_training_are_refused_together():
+    with pytest.raises(ValueError, match="colocate"):
+        ppo("--train.colocate_all", "true", "--train.async.max_staleness", "1")

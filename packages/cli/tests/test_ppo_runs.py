@@ -96,24 +96,19 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
     )
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": f"say {i} digits", "label": i}) + "\n" for i in range(12)))
-    result = ppo(
-        tmp_path / "run",
-        one_engine,
-        "--algo.advantage.estimator",
-        "reinforce",
-        "--actor.pretrain",
-        str(demo_model_dir),
-        "--reward.func",
-        str(func),
-        "--algo.kl.coef",
-        "0.05",
-        "--algo.kl.target=0.01",
-        f"--data.path={data}",
-        "--data.apply_chat_template",
-        f"--eval.path={data}",
-        "--eval.every=1",
-    )
+    flags = [
+        *("--algo.advantage.estimator", "reinforce", "--actor.pretrain", str(demo_model_dir)),
+        *("--reward.func", str(func), "--algo.kl.coef", "0.05", "--algo.kl.target=0.01"),
+        *(f"--data.path={data}", "--data.apply_chat_template", f"--eval.path={data}", "--eval.every=1"),
+    ]
+    result = ppo(tmp_path / "run", one_engine, *flags)
     rows = check_run(result)
+    # the hybrid engine's placement (actor and reference on one placement group's bundles, the memory
+    # schedule reporting that CPU engines cannot sleep) trains exactly as separate placement
+    colocated = ppo(tmp_path / "colocated", one_engine, *flags, "--train.colocate_all")
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert untimed(colocated.history) == untimed(result.history)
+    assert "engines sleep (level 1): skipped: vLLM's CPU backend has no sleep mode" in colocated.summary
     for r in rows:  # the reward function's extra_logs, averaged per step under their own names
         assert r["extra/digits"] == pytest.approx(r["rollout/score_mean"], rel=1e-6)
         assert r["extra/half"] == pytest.approx(r["extra/digits"] / 2, rel=1e-6)
@@ -283,8 +278,9 @@ def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
     assert rows[0]["rollout/response_length"] > 0
 
 
-def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine):
-    """With PPO mini-batches (their shuffle is seeded by the step). (A learning-rate schedule's state is
+def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine, monkeypatch):
+    """(Also: the producer thread of asynchronous training, run at max staleness 0, gives the history and
+    final weights of producing inline, bit for bit.) With PPO mini-batches (their shuffle is seeded by the step). (A learning-rate schedule's state is
     in the checkpoint too: rlhf-learner's test_lr_schedule.py resumes one exactly; a run with a schedule
     may not change its length on resume: test_checkpoint_rules.py.)"""
     common = [
@@ -317,6 +313,20 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
         "rollout/weight_version",
     ):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+    import functools
+
+    from rlhf_cli.ppo import recipe
+    from rlhf_cli.ppo.pipeline import RolloutPipeline
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(recipe, "RolloutPipeline", functools.partial(RolloutPipeline, threaded=True))
+    threaded = ppo(tmp_path / "threaded", one_engine, *common, "--train.num_steps", "4")
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert untimed(threaded.history) == untimed(whole.history)
+    weights = [load_file(next(r.final_model.glob("*.safetensors"))) for r in (whole, threaded)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
 
 
 def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_path, ray_cluster):

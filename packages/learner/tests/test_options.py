@@ -81,3 +81,12 @@ def test_for_inference_runs_zero_1_2_as_replicas_and_keeps_zero3_sharding(kwargs
     assert opts.zero_stage == kwargs["zero_stage"]  # a copy: the trained model's options are unchanged
     cfg = build_ds_config(frozen, train=False)
     assert cfg["zero_optimization"]["stage"] == stage and "offload_optimizer" not in cfg["zero_optimization"]
+
+
+def test_offload_states_says_why_it_did_nothing():
+    import torch
+    from rlhf_learner.strategy import offload_states, reload_states
+
+    why = "a frozen group has no optimizer states" if torch.cuda.is_available() else "on CPU the states are"
+    assert offload_states(object()).startswith(f"skipped: {why}")  # no engine with states to move
+    assert reload_states(object()).startswith(f"skipped: {why}")

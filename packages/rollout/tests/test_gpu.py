@@ -37,6 +37,37 @@ def test_vllm_sleep_and_wake_keep_generation(tiny_model_dir, hf_model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_levels_then_weights_then_cache_give_the_outputs_of_no_sleep(tiny_model_dir, level):
+    """The hybrid engine's phases: sleep (level 2 drops the weights), wake the weights, load weights
+    (what a push does), wake the KV cache: greedy outputs equal those before any sleep."""
+    from rlhf_rollout import VLLMEngine
+
+    engine = VLLMEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=512,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=0.2,
+    )
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+        before = engine.generate(PROMPTS, greedy)
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep(level=level)
+        free_asleep = torch.cuda.mem_get_info()[0]
+        assert free_asleep > free_awake  # released
+        engine.wake_up(tags=["weights"])
+        engine.reload_weights_from_path(path=str(tiny_model_dir))  # level 2 needs them back
+        engine.wake_up(tags=["kv_cache"])
+        assert torch.cuda.mem_get_info()[0] < free_asleep  # restored
+        after = engine.generate(PROMPTS, greedy)
+        assert [[g.token_ids for g in r] for r in before] == [[g.token_ids for g in r] for r in after]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
 def test_vllm_tensor_parallel_engine_on_a_placement_group(ray_cluster, tiny_model_dir):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs for tensor_parallel_size=2")

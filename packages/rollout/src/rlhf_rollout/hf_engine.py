@@ -252,7 +252,7 @@ class TransformersEngine:
     def sleep(self, *, level: int = 1) -> None:
         raise UnsupportedOperationError("TransformersEngine has no sleep mode; move the model yourself")
 
-    def wake_up(self) -> None:
+    def wake_up(self, *, tags: list[str] | None = None) -> None:
         raise UnsupportedOperationError("TransformersEngine has no sleep mode; move the model yourself")
 
     def reset_prefix_cache(self) -> None:

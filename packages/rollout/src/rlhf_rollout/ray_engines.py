@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -13,15 +14,31 @@ from rlhf_rollout.types import Generation, SamplingParams
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-__all__ = ["AsyncEngineActor", "EngineActor", "EngineClient", "create_engines"]
+__all__ = ["AsyncEngineActor", "EngineActor", "EngineClient", "create_engines", "pin_to_cores"]
 
 Backend = Literal["vllm", "transformers"]
 
 
-class EngineActor:
-    """Holds one engine inside a Ray actor. Methods are typed and keyword-only."""
+def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
+    """Bind this process (and the processes and threads it starts) to ``cpu_cores``, indices into the
+    cores it may run on (``os.sched_getaffinity``), and have vLLM-CPU bind its OpenMP threads to them
+    (``VLLM_CPU_OMP_THREADS_BIND``). Returns the core ids."""
+    allowed = sorted(os.sched_getaffinity(0))
+    ids = sorted({allowed[i % len(allowed)] for i in cpu_cores})
+    os.sched_setaffinity(0, ids)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, ids))
+    return ids
 
-    def __init__(self, *, backend: Backend, engine_kwargs: dict[str, Any]) -> None:
+
+class EngineActor:
+    """Holds one engine inside a Ray actor. Methods are typed and keyword-only. ``cpu_cores``: pin the
+    engine to these cores (:func:`pin_to_cores`)."""
+
+    def __init__(
+        self, *, backend: Backend, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()
+    ) -> None:
+        if cpu_cores:
+            pin_to_cores(cpu_cores)
         if backend == "vllm":
             from rlhf_rollout.vllm_engine import VLLMEngine
 
@@ -79,8 +96,8 @@ class EngineActor:
     def sleep(self, *, level: int = 1) -> None:
         self.engine.sleep(level=level)
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, *, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags=tags)
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
@@ -94,9 +111,13 @@ class AsyncEngineActor:
     methods are coroutines on one event loop, so a weight update, a pause or a version query is served
     while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
 
-    def __init__(self, *, backend: Backend, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, *, backend: Backend, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()
+    ) -> None:
         if backend != "vllm":
             raise ValueError(f"asynchronous engines are vLLM engines; got backend {backend!r}")
+        if cpu_cores:
+            pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
         from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
 
         self.engine = AsyncVLLMEngine(**engine_kwargs)
@@ -170,6 +191,7 @@ def create_engines(
     env_vars: dict[str, str] | None = None,
     start_timeout_s: float = 1800.0,
     asynchronous: bool = False,
+    cpu_cores: Sequence[int] = (),
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s (``asynchronous``: :class:`AsyncEngineActor` s over
     vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles
@@ -184,7 +206,8 @@ def create_engines(
     ``env_vars`` go into every actor's ``runtime_env`` (pass e.g. ``VLLM_CPU_KVCACHE_SPACE``,
     ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here). A CPU vLLM engine runs torch on
     ``OMP_NUM_THREADS`` threads, by default ``num_cpus_per_engine`` rounded (at least 1).
-    ``start_timeout_s`` bounds the wait for every engine to come up.
+    ``start_timeout_s`` bounds the wait for every engine to come up. ``cpu_cores``: CPU engines bound to
+    these cores of their node (indices into the cores the actor may use; :func:`pin_to_cores`).
     """
     import ray
 
@@ -209,7 +232,11 @@ def create_engines(
             placement_group=placement_group,
             bundles=None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp],
         )
-        handles.append(actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs))
+        handles.append(
+            actor_cls.options(**options).remote(
+                backend=backend, engine_kwargs=kwargs, cpu_cores=list(cpu_cores)
+            )
+        )
     ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
     return handles
 
@@ -389,6 +416,18 @@ class EngineClient:
         import ray
 
         ray.get([e.resume.remote() for e in self.engines], timeout=self.timeout_s)
+
+    def sleep(self, *, level: int = 1) -> None:
+        """Release every engine's memory (GPU vLLM with sleep mode; see ``capabilities``): level 1 keeps
+        the weights in host memory, level 2 drops them (push weights after waking)."""
+        import ray
+
+        ray.get([e.sleep.remote(level=level) for e in self.engines], timeout=self.timeout_s)
+
+    def wake_up(self, *, tags: list[str] | None = None) -> None:
+        import ray
+
+        ray.get([e.wake_up.remote(tags=tags) for e in self.engines], timeout=self.timeout_s)
 
     # --- weight sync: non-blocking, because the sender must join while the engines wait -------------
     def init_weight_sync(

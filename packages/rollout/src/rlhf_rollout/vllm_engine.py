@@ -180,10 +180,12 @@ class VLLMEngine:
             raise UnsupportedOperationError(f"sleep: {self.capabilities.notes}")
         self._llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, *, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` ``["weights"]`` first (then push new weights: level 2
+        dropped them), ``["kv_cache"]`` after; None: everything."""
         if not self.capabilities.sleep:
             raise UnsupportedOperationError(f"wake_up: {self.capabilities.notes}")
-        self._llm.wake_up()
+        self._llm.wake_up(tags=tags)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix (stale after a weight update). Raises if vLLM refuses (it does while

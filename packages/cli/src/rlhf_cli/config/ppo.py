@@ -95,6 +95,28 @@ class PPOConfig(Section):
         return self.actor.lr_scheduled or (self.uses_critic and self.critic.lr_scheduled)
 
     @property
+    def colocated(self) -> list[tuple[str, ...]]:
+        """The sets of groups sharing bundles (``--train.colocate_*``), of the groups this run has."""
+        t, present = self.train, {"actor", "engines"}
+        present |= {"critic"} if self.uses_critic else set()
+        present |= {"ref"} if self.uses_reference else set()
+        present |= {"reward"} if self.reward.source == "model" else set()
+        wanted = [("actor", "critic", "ref", "reward", "engines")] if t.colocate_all else []
+        wanted += [("actor", "ref")] if t.colocate_actor_ref and not t.colocate_all else []
+        wanted += [("critic", "reward")] if t.colocate_critic_reward and not t.colocate_all else []
+        sets = [tuple(g for g in w if g in present) for w in wanted]
+        return [x for x in sets if len(x) > 1]
+
+    @property
+    def colocates_engines(self) -> bool:
+        return any("engines" in s for s in self.colocated)
+
+    @property
+    def pins_cores(self) -> bool:
+        """Engines and learner ranks on disjoint cores (``--train.pin_cores``; unset: when asynchronous)."""
+        return self.train.pin_cores if self.train.pin_cores is not None else self.train.async_.enabled
+
+    @property
     def exactly_on_policy(self) -> bool:
         """One optimizer step per rollout batch and no KL in the reward: the policy that is updated is the
         one that was scored, so the old-policy forward is skipped (its log-probs are the current ones)."""
@@ -152,6 +174,11 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _asynchronous(self) -> PPOConfig:
         """Asynchronous training needs engines that serve weight updates while they generate."""
+        if self.train.async_.enabled and self.colocated:
+            raise ValueError(
+                "--train.async.max_staleness with --train.colocate_*: colocated groups take turns on their "
+                "devices, so generation cannot overlap training; choose one"
+            )
         if self.train.async_.enabled and self.rollout.backend != "vllm":
             raise ValueError(
                 f"--train.async.max_staleness {self.train.async_.max_staleness} needs --rollout.backend "

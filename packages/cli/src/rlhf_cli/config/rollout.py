@@ -40,6 +40,9 @@ class VLLMConfig(Section):
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     enable_prefix_caching: bool = True
     """Reuse cached prompt KV (reset after every weight update)."""
+    sleep_level: Literal[1, 2] = 1
+    """Colocated engines on GPU sleep while the learners train: 1 keeps their weights in host memory, 2
+    drops them (the next weight push refills them)."""
     enforce_eager: bool = False
     """Run the engines' model eagerly: no torch.compile / CUDA graphs (on CPU no kernel compiles during
     the first steps; on GPU slower decoding)."""

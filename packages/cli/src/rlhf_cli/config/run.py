@@ -130,6 +130,20 @@ class TrainConfig(Section):
     """run_agent agents: seconds one episode (all its model calls) may take."""
     warmup_sft_steps: int = Field(40, ge=0)
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
+    pin_cores: bool | None = None
+    """CPU only: bind the engines to the first half of each node's cores and the learner ranks to the
+    rest (their work then cannot steal each other's cores); unset: pinned when training asynchronously."""
+    colocate_all: bool = False
+    """Hybrid engine: the actor, critic, reference and reward groups and the rollout engines share the same
+    bundles (GPUs): engines sleep while the learners train (--vllm.sleep_level) and weights go over CUDA
+    IPC; on CPU they share the cores. Synchronous training only."""
+    colocate_actor_ref: bool = False
+    """The actor and reference groups share bundles."""
+    colocate_critic_reward: bool = False
+    """The critic and reward-model groups share bundles."""
+    offload_during_rollout: bool = False
+    """Colocated on GPU: the trained groups' DeepSpeed states go to host memory while the engines generate
+    and come back before the update."""
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     """Asynchronous training: generation overlapping the updates."""
 

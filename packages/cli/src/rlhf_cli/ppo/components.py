@@ -141,6 +141,8 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
         out["engine_kwargs"] = {"enforce_eager": True}
     if gpu:
         out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
+    if gpu and cfg.colocates_engines and cfg.rollout.backend == "vllm":
+        out["enable_sleep_mode"] = True  # they sleep while the learners train on the same GPUs
     return out
 
 
@@ -165,6 +167,7 @@ def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit:
         env_vars=env,
         start_timeout_s=cfg.ray.timeout_s,
         asynchronous=cfg.train.async_.enabled,  # pauses and weight updates served while generating
+        cpu_cores=eg.cores,
     )
     for h in handles:
         stop_at_exit(lambda h=h: _stop_engine(h))

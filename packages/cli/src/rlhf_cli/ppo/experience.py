@@ -22,7 +22,7 @@ from rlhf_cli.config.algo import KLConfig
 from rlhf_cli.data.batches import Sample, pad_stack
 from rlhf_cli.runtime.protocols import ScoringGroup
 
-__all__ = ["Experience", "make_experience", "make_kl_controller"]
+__all__ = ["Experience", "make_experience", "make_kl_controller", "score_reference"]
 
 
 @dataclass(kw_only=True)
@@ -44,7 +44,8 @@ class Experience:
     advantage_abs_mean: float
     old_policy_s: float
     """Seconds of the actor's old-policy forward (0 when skipped)."""
-    reference_s: float
+    reference_s: float | None
+    """Seconds of the reference forward (None: the producer ran it, see ``RolloutBatch.reference_s``)."""
     values_s: float
     """Seconds of the critic's forward."""
     advantages_s: float
@@ -58,11 +59,12 @@ class Experience:
         out = {
             "advantages/mean": self.advantage_mean,
             "advantages/abs_mean": self.advantage_abs_mean,
-            "time/reference": self.reference_s,
             "time/old_policy": self.old_policy_s,
             "time/values": self.values_s,
             "time/advantages": self.advantages_s,
         }
+        if self.reference_s is not None:
+            out["time/reference"] = self.reference_s
         if self.logp_mismatch_mean is not None:
             out |= {
                 "sync/logp_mismatch_mean": self.logp_mismatch_mean,
@@ -125,6 +127,15 @@ def _advantages(
     )
 
 
+def score_reference(cfg: PPOConfig, samples: Sequence[Sample], ref: ScoringGroup) -> float:
+    """Fill each sample's reference log-probs (they depend on the samples alone, so an asynchronous run
+    computes them in the producer, beside generation); returns the seconds it took."""
+    ((logp, seconds),) = _scores([ref], [s.token_ids for s in samples], cfg, concurrent=False)
+    for s, lp in zip(samples, logp, strict=True):
+        s.ref_logp = lp
+    return seconds
+
+
 def make_experience(
     cfg: PPOConfig,
     samples: Sequence[Sample],
@@ -140,7 +151,8 @@ def make_experience(
     log-probs, detached, and measures the KL and the engine gap itself. ``concurrent``: the groups sit on
     different devices, so their forwards overlap."""
     seqs = [s.token_ids for s in samples]
-    groups = (None if cfg.exactly_on_policy else actor, ref, critic)
+    scored = ref is not None and all(s.ref_logp is not None for s in samples)  # by the producer (async)
+    groups = (None if cfg.exactly_on_policy else actor, None if scored else ref, critic)
     (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, cfg, concurrent=concurrent)
     for i, s in enumerate(samples):
         s.old_logp = old[i] if old is not None else None
@@ -170,7 +182,7 @@ def make_experience(
         advantage_mean=float(masked_mean(adv, mask)),
         advantage_abs_mean=float(masked_mean(adv.abs(), mask)),
         old_policy_s=t_actor,
-        reference_s=t_ref,
+        reference_s=None if scored else t_ref,
         values_s=t_critic,
         advantages_s=time.perf_counter() - t0,
     )

@@ -44,6 +44,27 @@ class Pausable(Protocol):
     def resume(self) -> None: ...
 
 
+class Phases(Protocol):
+    """The hybrid engine's memory schedule (``runtime.memory_phases.MemoryPhases``)."""
+
+    def after_rollout(self) -> None: ...
+
+    def around_push(self, push: Callable[[], SyncReport]) -> SyncReport: ...
+
+    def notes(self) -> list[str]: ...
+
+
+class _NoPhases:
+    def notes(self) -> list[str]:
+        return []
+
+    def after_rollout(self) -> None:
+        pass
+
+    def around_push(self, push: Callable[[], SyncReport]) -> SyncReport:
+        return push()
+
+
 Produce = Callable[[int, int], RolloutBatch]
 """``produce(step, weight_version) -> RolloutBatch`` (``RolloutStage.produce``)."""
 
@@ -57,7 +78,9 @@ class RolloutPipeline:
     """Hands the trainer one :class:`RolloutBatch` per step; see the module docstring for the rule.
 
     ``steps``: the steps to produce, in order. ``threaded``: run the producer thread even at eta = 0 (the
-    same schedule as producing inline; tests compare the two). ``timeout_s`` bounds every wait.
+    same schedule as producing inline; tests compare the two). ``timeout_s`` bounds every wait. ``phases``:
+    colocated engines and learners (synchronous only): the engines release their memory after each
+    rollout and take it back around each push (``MemoryPhases``).
     """
 
     def __init__(
@@ -71,9 +94,13 @@ class RolloutPipeline:
         engines: Pausable | None = None,
         timeout_s: float = 3600.0,
         threaded: bool | None = None,
+        phases: Phases | None = None,
     ) -> None:
         if partial_rollout and (max_staleness < 1 or engines is None):
             raise ValueError("partial rollout needs max_staleness >= 1 and engines that pause")
+        if phases is not None and max_staleness > 0:
+            raise ValueError("colocated engines and learners take turns: no asynchronous rollouts with them")
+        self.phases: Phases = phases if phases is not None else _NoPhases()
         self.produce, self.weights, self.steps = produce, weights, steps
         self.max_staleness, self.partial, self.engines = max_staleness, partial_rollout, engines
         self.timeout_s = timeout_s
@@ -102,7 +129,9 @@ class RolloutPipeline:
         """Step ``step``'s batch (they are taken in order)."""
         if self._thread is None:
             self.produced_ahead.append(1)
-            return self.produce(step, self.weights.version)
+            batch = self.produce(step, self.weights.version)
+            self.phases.after_rollout()  # colocated: the engines release the devices to the learners
+            return batch
         try:
             got = self._ready.get(timeout=self.timeout_s)
         except queue.Empty:
@@ -129,7 +158,7 @@ class RolloutPipeline:
             if not self._generating.acquire(timeout=self.timeout_s):
                 raise TimeoutError(f"a rollout batch kept the engines more than {self.timeout_s:.0f} s")
             try:
-                report = self.weights.push(version=version)
+                report = self.phases.around_push(lambda: self.weights.push(version=version))
             finally:
                 self._generating.release()
         with self._changed:

@@ -13,15 +13,16 @@ from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.ppo.components import Components, start_components
 from rlhf_cli.ppo.evaluation import evaluate, warmup
-from rlhf_cli.ppo.experience import make_experience, make_kl_controller
+from rlhf_cli.ppo.experience import make_experience, make_kl_controller, score_reference
 from rlhf_cli.ppo.pipeline import RolloutPipeline, staleness_metrics, timed_take
 from rlhf_cli.ppo.prompts import load_prompts, skipped_notes
 from rlhf_cli.ppo.rewards import RewardStage
-from rlhf_cli.ppo.rollout import RolloutStage
+from rlhf_cli.ppo.rollout import RolloutBatch, RolloutStage
 from rlhf_cli.ppo.sources import executor_factory
 from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.memory_phases import MemoryPhases
 from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
@@ -69,11 +70,31 @@ def _start(
 
 
 def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_step: int) -> RolloutPipeline:
-    """Rollouts for the steps left, made ahead of training by up to ``--train.async.max_staleness``."""
+    """Rollouts for the steps left, made ahead of training by up to ``--train.async.max_staleness``;
+    asynchronous, the producer also runs the reference forward (it needs the samples alone)."""
     a = cfg.train.async_
+
+    def produce(step: int, version: int) -> RolloutBatch:
+        batch = rollout.produce(step, weight_version=version)
+        if a.enabled and c.ref is not None:
+            batch.reference_s = score_reference(cfg, batch.samples, c.ref)
+        return batch
+
+    phases = None
+    if cfg.colocated:  # the hybrid engine: one schedule of release, acquire, offload and reload
+        trained = [g for g in (c.actor, c.critic) if g is not None]
+        phases = MemoryPhases(
+            c.engines,
+            trained,
+            enabled=cfg.colocates_engines,
+            sleep_level=cfg.vllm.sleep_level,
+            offload=cfg.train.offload_during_rollout,
+        )
+        phases.before_rollout()  # after the start-up push
     return RolloutPipeline(
-        lambda step, version: rollout.produce(step, weight_version=version),
+        produce,
         c.sync,
+        phases=phases,
         steps=range(first_step, cfg.train.num_steps + 1),
         max_staleness=a.max_staleness,
         partial_rollout=a.partial_rollout,
@@ -141,6 +162,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
 
         # ---- clean-up -------------------------------------------------------------------------------
         rollouts.close()
+        tracker.notes += rollouts.phases.notes()
         final = r.run_dir / "final_model"
         c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
         summary = tracker.close()

@@ -36,6 +36,8 @@ class RolloutBatch:
     refilled: int = 0
     """Groups of dropped samples used to fill the batch after the last round."""
     extra_logs: dict[str, float] = field(default_factory=dict)
+    reference_s: float | None = None
+    """Seconds of the reference forward when the producer ran it (asynchronous training), else None."""
 
     def metrics(self) -> dict[str, float]:
         s = self.samples
@@ -48,6 +50,8 @@ class RolloutBatch:
             "time/generation": self.generation_s,
             "time/reward": self.reward_s,
         }
+        if self.reference_s is not None:
+            out["time/reference"] = self.reference_s
         if self.filter_rounds is not None:
             out |= {
                 "filter/rounds": float(self.filter_rounds),

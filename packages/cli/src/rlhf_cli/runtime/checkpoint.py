@@ -55,6 +55,8 @@ RESUMABLE_CHANGES = (
     "eval.max_samples",
     "eval.pass_threshold",
     "weightsync.timeout_s",
+    "train.async.",
+    "train.pin_cores",
 )
 """Settings a resumed run may change; every other one must equal the checkpoint's (the step counts only
 without a learning-rate schedule: ``resumable_changes``). (``rlhf ppo`` may

@@ -121,20 +121,27 @@ class PlacementGroups:
 
     def __init__(self) -> None:
         self._groups: dict[str, Any] = {}
+        self._aliases: dict[str, str] = {}  # a colocated group -> the group whose placement group it uses
 
     def __getitem__(self, name: str) -> Any:
-        return self._groups[name]
+        return self._groups[self._aliases.get(name, name)]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._groups
+        return self._aliases.get(name, name) in self._groups
+
+    def alias(self, name: str, host: str) -> None:
+        """``name`` sits on ``host``'s placement group (colocated); freeing ``name`` leaves it."""
+        self._aliases[name] = host
 
     def add(self, name: str, pg: Any) -> None:
         self._groups[name] = pg
 
     def free(self, name: str) -> None:
-        """Remove ``name``'s placement group, if it is still there."""
+        """Remove ``name``'s placement group, if it is still there (a colocated group's: nothing)."""
         from ray.util.placement_group import remove_placement_group
 
+        if self._aliases.pop(name, None) is not None:
+            return
         pg = self._groups.pop(name, None)
         if pg is not None:
             remove_placement_group(pg)
@@ -151,16 +158,20 @@ def placement_groups(
     stop_at_exit: Callable[[Callable[[], None]], None],
     skip: tuple[str, ...] = (),
 ) -> PlacementGroups:
-    """One placement group per group (except ``skip``), PACKed (a group's ranks close together); their
-    removal is registered with ``stop_at_exit`` before the first is created. Waits until all are placed."""
+    """One placement group per group (except ``skip``), PACKed (a group's ranks close together); colocated
+    groups sit on their host's, whose bundles hold every member's claim. Their removal is registered with
+    ``stop_at_exit`` before the first is created. Waits until all are placed."""
     import ray
     from ray.util.placement_group import placement_group
 
     out = PlacementGroups()
     stop_at_exit(out.free_all)
     for g in plan.groups:
-        if g.name not in skip:
-            bundles = [dict(g.bundle) for _ in range(g.processes)]
+        if g.share is not None:
+            out.alias(g.name, g.share)
+        elif g.name not in skip or g.members:
+            whole = {k: v * (1 + len(g.members)) for k, v in g.bundle.items()}  # every member's claim
+            bundles = [dict(whole) for _ in range(g.processes)]
             out.add(g.name, placement_group(bundles, strategy="PACK", name=f"rlhf-{g.name}"))
     ray.get([out[g.name].ready() for g in plan.groups if g.name in out], timeout=timeout_s)
     return out

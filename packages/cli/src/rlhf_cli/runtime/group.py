@@ -209,6 +209,14 @@ class LearnerGroup:
     def close_weight_sync(self) -> None:
         self._all(lambda w: w.close_weight_sync.remote())
 
+    # --- memory, when colocated with rollout engines ------------------------------------------------
+    def offload_states(self) -> list[str]:
+        """Every rank's states to host memory; each rank's report (what it did or why not)."""
+        return self._all(lambda w: w.offload_states.remote())
+
+    def reload_states(self) -> list[str]:
+        return self._all(lambda w: w.reload_states.remote())
+
     # --- checkpoints and export --------------------------------------------------------------------
     def save(self, *, directory: str, tag: str) -> None:
         self._all(lambda w: w.save.remote(directory=directory, tag=tag))
@@ -247,8 +255,10 @@ def launch_groups(
     groups: dict[str, LearnerGroup] = {}
     for name, spec in specs.items():
         bundle = plan.group(name).bundle
-        threads = plan.group(name).threads
+        threads, cores = plan.group(name).threads, plan.group(name).cores
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+        if cores:
+            env["RLHF_CPU_CORES"] = ",".join(map(str, cores))  # the worker binds itself to them
         groups[name] = LearnerGroup(
             spec,
             placement_group=pgs[name],

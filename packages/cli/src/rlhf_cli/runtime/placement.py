@@ -34,6 +34,13 @@ class GroupPlan:
     """Flags that lower this group's memory (named when a GPU cannot hold it)."""
     threads: int = 0
     """torch threads of each rank or CPU engine process (0: the group sets its own, e.g. GPU engines)."""
+    cores: tuple[int, ...] = ()
+    """CPU runs with pinned cores: the cores (indices into each node's allowed cores) this group's
+    processes on a node are bound to; empty: not pinned."""
+    share: str | None = None
+    """Colocated: the group whose placement group (bundles) this one's processes sit on."""
+    members: tuple[str, ...] = ()
+    """Colocated, on the hosting group: the groups that share its bundles."""
 
     @property
     def memory_gib(self) -> float:
@@ -63,6 +70,7 @@ class Plan:
         for g in self.groups:
             bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
             threads = f"; {g.threads} thread(s) each" if g.threads else ""
+            threads += f" on core(s) {_span(g.cores)}" if g.cores else ""
             note = f"{g.note}{threads}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
             lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
         if (e := self.group("engines")) is not None:
@@ -86,6 +94,33 @@ def with_threads(
         replace(g, threads=threads_per_rank or max(1, cores // per_node[g.name])) if g.name in per_node else g
         for g in groups
     ]
+
+
+def pinned(
+    groups: list[GroupPlan],
+    per_node: dict[str, int],
+    resources: ClusterResources,
+    rollout_side: tuple[str, ...] = ("engines",),
+) -> list[GroupPlan]:
+    """Engines and learner ranks on disjoint cores of each node (their work overlaps when training is
+    asynchronous, and vLLM-CPU's queue readers spin): the engines (and the frozen groups that score the
+    samples beside them, ``rollout_side``) the first half, the trained groups the rest; each process's
+    threads are its share of its half (the groups of a half take turns, so each gets all)."""
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    if resources.gpus or cores < 2:
+        return groups
+    half = cores // 2
+    engine_cores, learner_cores = tuple(range(half)), tuple(range(half, cores))
+    out = []
+    for g in groups:
+        mine = engine_cores if g.name in rollout_side else learner_cores
+        procs = per_node.get(g.name, 1)
+        out.append(replace(g, cores=mine, threads=max(1, len(mine) // max(1, procs))))
+    return out
+
+
+def _span(cores: tuple[int, ...]) -> str:
+    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
 
 
 def _parts_note(parts: dict[str, float]) -> str:
@@ -319,17 +354,29 @@ def make_plan(
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     groups.append(_engines_group(cfg, sizes.of("engines"), per, resources))
+    if cfg.pins_cores:
+        per_node["engines"] = math.ceil(
+            cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size / resources.nodes
+        )
+        beside = ("ref",) if cfg.train.async_.enabled else ()  # the producer runs the reference forward
+        groups = pinned(groups, per_node, resources, ("engines", *beside))
+    from rlhf_cli.runtime.colocation import colocate, colocation_lines
+
+    groups = colocate(groups, cfg.colocated)
     n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
     engines = f"--vllm.num_engines {n} x --vllm.tensor_parallel_size {tp} engine process(es)"
     _check_fits(groups, resources, cfg.ray, f"{engines} and the learner groups")
     from rlhf_weightsync import select_transport
 
     one_host = len(set(resources.node_ips)) <= 1
-    backend, share = cfg.rollout.backend, cfg.ray.gpus_per_worker
+    backend = cfg.rollout.backend
+    share = min(g.bundle.get("GPU", 1.0) for g in groups if g.name in ("actor", "engines"))
     try:
         transport = select_transport(
             cfg.weightsync.transport, gpu=gpu, one_host=one_host, backend=backend, gpus_per_worker=share
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return _plan(groups, resources, transport, sizes.actor.params)
+    plan = _plan(groups, resources, transport, sizes.actor.params)
+    plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None))
+    return plan

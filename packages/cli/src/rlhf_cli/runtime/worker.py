@@ -77,6 +77,10 @@ class LearnerWorker:
         from rlhf_learner import Strategy
 
         spec = self.spec
+        if os.environ.get("RLHF_CPU_CORES"):  # the plan's cores (engines have the others)
+            allowed = sorted(os.sched_getaffinity(0))
+            picked = {allowed[int(i) % len(allowed)] for i in os.environ["RLHF_CPU_CORES"].split(",")}
+            os.sched_setaffinity(0, picked)
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the plan's threads (Ray's default is 1)
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         self.strategy = Strategy(spec.strategy)
@@ -215,6 +219,17 @@ class LearnerWorker:
                 gather_along(named, gather=gather, bucket_bytes=self.bucket_bytes)
             return None
         return self.sender.send(named, gather=gather, version=version)
+
+    def offload_states(self) -> str:
+        """The engine's states to host memory while colocated rollout engines use the GPU (or why not)."""
+        from rlhf_learner.strategy import offload_states
+
+        return offload_states(self.engine)
+
+    def reload_states(self) -> str:
+        from rlhf_learner.strategy import reload_states
+
+        return reload_states(self.engine)
 
     def close_weight_sync(self) -> None:
         if self.sender is not None:

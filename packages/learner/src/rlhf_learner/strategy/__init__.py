@@ -1,6 +1,7 @@
 """DeepSpeed strategy: typed options, config builder, distributed init, gather, checkpoints, export."""
 
 from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed
+from rlhf_learner.strategy.offload import offload_states, reload_states
 from rlhf_learner.strategy.options import OptimizerName, Precision, StrategyOptions, build_ds_config
 from rlhf_learner.strategy.schedule import LRSchedule, SchedulerName, lr_factor, make_lr_scheduler
 from rlhf_learner.strategy.strategy import Strategy, gather_params, set_seed, unwrap_hf_model
@@ -19,6 +20,8 @@ __all__ = [
     "init_distributed",
     "lr_factor",
     "make_lr_scheduler",
+    "offload_states",
+    "reload_states",
     "set_seed",
     "unwrap_hf_model",
 ]
