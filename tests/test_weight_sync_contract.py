@@ -13,6 +13,7 @@ import pytest
 import rlhf_rollout
 import rlhf_weightsync
 from rlhf_rollout import TokenGenerator, WeightSyncRPC
+from rlhf_rollout.async_vllm_engine import AsyncEngineActor, AsyncVLLMEngine
 from rlhf_rollout.hf_engine import TransformersEngine
 from rlhf_rollout.ray_engines import EngineActor, EngineClient
 from rlhf_rollout.vllm_engine import VLLMEngine
@@ -26,6 +27,8 @@ IMPLEMENTATIONS = (
     VLLMEngine,
     TransformersEngine,
     EngineActor,
+    AsyncVLLMEngine,  # coroutines: the same parameters, awaited
+    AsyncEngineActor,
 )
 
 

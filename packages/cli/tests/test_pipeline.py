@@ -82,7 +82,6 @@ def drive(eta: int, *, partial: bool = False, steps: int = 30, seed: int = 0, th
         max_staleness=eta,
         partial_rollout=partial,
         engines=eng,
-        timeout_s=30,
         threaded=threaded,
     )
     lags = []
@@ -144,7 +143,7 @@ def test_a_failing_batch_is_raised_to_the_trainer():
             return super().produce(step, version)
 
     eng = Failing(0)
-    pipe = RolloutPipeline(eng.produce, eng, steps=range(1, 6), max_staleness=1, timeout_s=30)
+    pipe = RolloutPipeline(eng.produce, eng, steps=range(1, 6), max_staleness=1)
     try:
         pipe.take(1)
         pipe.sync()

@@ -280,7 +280,7 @@ def test_colocated_groups_share_the_hosts_bundles_and_the_plan_shows_the_device_
     assert apart.transport == "nccl" and together.transport == "cuda_ipc"  # a shared GPU: CUDA IPC
     need = sum(g.memory_gib for g in (actor, ref, eng))
     assert (
-        f"colocated: actor + ref + engines share actor's 1 bundle(s); {need:.2f} GiB per device of 80.0 GiB"
+        f"colocated: actor + ref + engines share actor's 1 bundle(s); {need:.2f} GiB per GPU of 80.0 GiB"
         in (together.render())
     )
     pair = ppo("--actor.pretrain", model, "--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true")
@@ -291,3 +291,19 @@ def test_colocated_groups_share_the_hosts_bundles_and_the_plan_shows_the_device_
 def test_colocation_and_asynchronous_training_are_refused_together():
     with pytest.raises(ValueError, match="colocate"):
         ppo("--train.colocate_all", "true", "--train.async.max_staleness", "1")
+
+
+def test_colocated_engines_beyond_actor_rank_zeros_gpu_or_beyond_its_memory_are_refused(tmp_path):
+    cfg = ppo("--actor.pretrain", str(write_config(tmp_path / "m", layers=4, hidden=512)))
+    many = cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"colocate_all": True}),
+            "vllm": cfg.vllm.model_copy(update={"num_engines": 2}),
+        }
+    )
+    with pytest.raises(ConfigError, match="CUDA IPC reaches only actor rank 0"):
+        make_plan(many, gpu(80.0))
+    one = many.model_copy(update={"vllm": cfg.vllm.model_copy(update={"gpu_memory_utilization": 0.9})})
+    with pytest.raises(ConfigError, match=r"actor \+ engines need .* GiB on one GPU of 8.00 GiB"):
+        make_plan(one, gpu(8.0))  # each fits alone; together they do not
+    assert make_plan(one, CPU).group("engines").share == "actor"  # CPU: shared cores, nothing to refuse

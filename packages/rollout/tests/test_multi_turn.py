@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from typing import ClassVar
 
 import pytest
@@ -209,7 +208,7 @@ class ConcurrentEngine(RecordingEngine):
 
 class PacedEnv:
     """Prompt 0 ("fast") ends after 3 quick steps; prompt 1 ("slow") after 2, and its first step
-    lasts until the fast episode has ended (giving up after 5 s)."""
+    lasts until the fast episode has ended (giving up after 60 s)."""
 
     def __init__(self, log: list, fast_done: asyncio.Event) -> None:
         self.log, self.fast_done, self.k = log, fast_done, 0
@@ -221,7 +220,7 @@ class PacedEnv:
         self.k += 1
         if self.label == "slow" and self.k == 1:
             try:
-                await asyncio.wait_for(self.fast_done.wait(), 5)
+                await asyncio.wait_for(self.fast_done.wait(), 60)
             except TimeoutError:
                 self.log.append(("slow step gave up waiting",))
         self.log.append(("stepped", self.label, self.k))
@@ -242,10 +241,8 @@ def test_an_episode_does_not_wait_for_slower_ones(hf_engine, tokenizer, engine_k
         env_factory=lambda: PacedEnv(log, fast_done),
         max_turns=4,
     )
-    t0 = time.monotonic()
     fast, slow = ex.run(PROMPTS[:2], labels=["fast", "slow"])
-    assert time.monotonic() - t0 < 4
-    assert ("slow step gave up waiting",) not in log
+    assert ("slow step gave up waiting",) not in log  # lockstep turns would keep fast waiting on slow
     # the fast episode took all its turns while the slow one was still in its first step
     assert log.index(("stepped", "fast", 3)) < log.index(("stepped", "slow", 1))
     gens = [entry for entry in log if entry[0] == "generate"]
@@ -258,7 +255,7 @@ def test_an_episode_does_not_wait_for_slower_ones(hf_engine, tokenizer, engine_k
 
 class LateEnv:
     """Done after 3 steps. Episodes of prompt ``late`` take their first step only once every episode
-    of the other prompt has ended (giving up after 5 s), so the engine sees the turns in another order."""
+    of the other prompt has ended (giving up after 60 s), so the engine sees the turns in another order."""
 
     def __init__(self, late: int, ended: list, other_done: asyncio.Event) -> None:
         self.late, self.ended, self.other_done, self.k = late, ended, other_done, 0
@@ -269,7 +266,7 @@ class LateEnv:
     async def step(self, *, action: str) -> StepResult:
         self.k += 1
         if self.prompt == self.late and self.k == 1:
-            await asyncio.wait_for(self.other_done.wait(), 5)
+            await asyncio.wait_for(self.other_done.wait(), 60)
         if self.k == 3 and self.prompt != self.late:
             self.ended.append(self.prompt)
             if len(self.ended) == 2:  # both samples of the other prompt

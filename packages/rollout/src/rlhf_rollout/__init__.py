@@ -5,7 +5,8 @@ Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappe
 ``ray`` and ``fastapi`` are imported only by the modules that need them.
 """
 
-from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
+from rlhf_rollout.async_vllm_engine import AsyncEngineActor, AsyncVLLMEngine
+from rlhf_rollout.cores import pin_to_cores
 from rlhf_rollout.engine import (
     EngineCapabilities,
     RolloutEngine,
@@ -28,7 +29,7 @@ from rlhf_rollout.executors import (
 )
 from rlhf_rollout.hf_engine import TransformersEngine, process_logits
 from rlhf_rollout.openai_server import CallRecord, OpenAIServer
-from rlhf_rollout.ray_engines import AsyncEngineActor, EngineActor, EngineClient, create_engines
+from rlhf_rollout.ray_engines import EngineActor, EngineClient, create_engines
 from rlhf_rollout.remote_reward import RemoteReward, RemoteRewardError
 from rlhf_rollout.rewards import RewardFunction, RewardResult, RewardSource, load_reward_func
 from rlhf_rollout.types import FinishReason, Generation, SamplingParams, VersionSpan, oldest_version
@@ -72,6 +73,7 @@ __all__ = [
     "create_engines",
     "load_reward_func",
     "oldest_version",
+    "pin_to_cores",
     "process_logits",
     "trajectories_from_records",
 ]

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
+from rlhf_rollout.cores import pin_to_cores
 from rlhf_rollout.engine import (
     EngineCapabilities,
     UnsupportedOperationError,
@@ -18,7 +19,7 @@ from rlhf_rollout.engine import (
 from rlhf_rollout.types import Generation, SamplingParams
 from rlhf_rollout.vllm_engine import merge_worker_reports, to_generation, vllm_sampling_params
 
-__all__ = ["AsyncVLLMEngine"]
+__all__ = ["AsyncEngineActor", "AsyncVLLMEngine"]
 
 PauseMode = Literal["keep", "wait", "abort"]
 
@@ -233,3 +234,73 @@ def _partial(completion) -> Generation:
         completion = copy.copy(completion)
         completion.finish_reason = "length"
     return to_generation(completion)
+
+
+class AsyncEngineActor:
+    """Holds one :class:`~rlhf_rollout.async_vllm_engine.AsyncVLLMEngine` in an async Ray actor: its
+    methods are coroutines on one event loop, so a weight update, a pause or a version query is served
+    while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
+
+    def __init__(self, *, backend: str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
+        if backend != "vllm":
+            raise ValueError(f"asynchronous engines are vLLM engines; got backend {backend!r}")
+        if cpu_cores:
+            pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
+        from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
+
+        self.engine = AsyncVLLMEngine(**engine_kwargs)
+
+    async def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        return await self.engine.generate(prompts, params)
+
+    async def capabilities(self) -> EngineCapabilities:
+        return self.engine.capabilities
+
+    async def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def init_weight_sync(
+        self,
+        *,
+        transport: str,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        await self.engine.init_weight_sync(
+            transport=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+
+    async def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
+        return await self.engine.receive_weights(timeout_s=timeout_s)
+
+    async def close_weight_sync(self) -> None:
+        await self.engine.close_weight_sync()
+
+    async def pause(self, *, mode: str = "keep") -> None:
+        await self.engine.pause(mode=mode)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def weight_version(self) -> int | None:
+        return await self.engine.weight_version()
+
+    async def sleep(self, *, level: int = 1) -> None:
+        await self.engine.sleep(level=level)
+
+    async def wake_up(self, *, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags=tags)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()

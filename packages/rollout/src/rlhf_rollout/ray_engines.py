@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlhf_rollout.cores import pin_to_cores
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-__all__ = ["AsyncEngineActor", "EngineActor", "EngineClient", "create_engines", "pin_to_cores"]
+__all__ = ["EngineActor", "EngineClient", "create_engines"]
 
 Backend = Literal["vllm", "transformers"]
-
-
-def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
-    """Bind this process (and the processes and threads it starts) to ``cpu_cores``, indices into the
-    cores it may run on (``os.sched_getaffinity``), and have vLLM-CPU bind its OpenMP threads to them
-    (``VLLM_CPU_OMP_THREADS_BIND``). Returns the core ids."""
-    allowed = sorted(os.sched_getaffinity(0))
-    ids = sorted({allowed[i % len(allowed)] for i in cpu_cores})
-    os.sched_setaffinity(0, ids)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, ids))
-    return ids
 
 
 class EngineActor:
@@ -106,78 +95,6 @@ class EngineActor:
         self.engine.shutdown()
 
 
-class AsyncEngineActor:
-    """Holds one :class:`~rlhf_rollout.async_vllm_engine.AsyncVLLMEngine` in an async Ray actor: its
-    methods are coroutines on one event loop, so a weight update, a pause or a version query is served
-    while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
-
-    def __init__(
-        self, *, backend: Backend, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()
-    ) -> None:
-        if backend != "vllm":
-            raise ValueError(f"asynchronous engines are vLLM engines; got backend {backend!r}")
-        if cpu_cores:
-            pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
-        from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
-
-        self.engine = AsyncVLLMEngine(**engine_kwargs)
-
-    async def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        return await self.engine.generate(prompts, params)
-
-    async def capabilities(self) -> EngineCapabilities:
-        return self.engine.capabilities
-
-    async def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    async def init_weight_sync(
-        self,
-        *,
-        transport: str,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        timeout_s: float = 60.0,
-    ) -> None:
-        await self.engine.init_weight_sync(
-            transport=transport,
-            master_addr=master_addr,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            timeout_s=timeout_s,
-        )
-
-    async def receive_weights(self, *, timeout_s: float | None = None) -> WeightSyncReport:
-        return await self.engine.receive_weights(timeout_s=timeout_s)
-
-    async def close_weight_sync(self) -> None:
-        await self.engine.close_weight_sync()
-
-    async def pause(self, *, mode: str = "keep") -> None:
-        await self.engine.pause(mode=mode)  # type: ignore[arg-type]
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def weight_version(self) -> int | None:
-        return await self.engine.weight_version()
-
-    async def sleep(self, *, level: int = 1) -> None:
-        await self.engine.sleep(level=level)
-
-    async def wake_up(self, *, tags: list[str] | None = None) -> None:
-        await self.engine.wake_up(tags=tags)
-
-    async def reset_prefix_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-    async def shutdown(self) -> None:
-        self.engine.shutdown()
-
-
 def create_engines(
     *,
     num_engines: int,
@@ -191,7 +108,7 @@ def create_engines(
     env_vars: dict[str, str] | None = None,
     start_timeout_s: float = 1800.0,
     asynchronous: bool = False,
-    cpu_cores: Sequence[int] = (),
+    cpu_cores: Sequence[Sequence[int]] = (),
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s (``asynchronous``: :class:`AsyncEngineActor` s over
     vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles
@@ -206,8 +123,8 @@ def create_engines(
     ``env_vars`` go into every actor's ``runtime_env`` (pass e.g. ``VLLM_CPU_KVCACHE_SPACE``,
     ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here). A CPU vLLM engine runs torch on
     ``OMP_NUM_THREADS`` threads, by default ``num_cpus_per_engine`` rounded (at least 1).
-    ``start_timeout_s`` bounds the wait for every engine to come up. ``cpu_cores``: CPU engines bound to
-    these cores of their node (indices into the cores the actor may use; :func:`pin_to_cores`).
+    ``start_timeout_s`` bounds the wait for every engine to come up. ``cpu_cores``: one list per engine,
+    the cores of its node it is bound to (indices into the cores the actor may use; :func:`pin_to_cores`).
     """
     import ray
 
@@ -216,6 +133,10 @@ def create_engines(
     bundle_indices = _resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
+    if cpu_cores and len(cpu_cores) != num_engines:
+        raise ValueError(f"cpu_cores has {len(cpu_cores)} core lists for {num_engines} engines")
+    from rlhf_rollout.async_vllm_engine import AsyncEngineActor
+
     actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
     handles = []
     for i in range(num_engines):
@@ -232,10 +153,9 @@ def create_engines(
             placement_group=placement_group,
             bundles=None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp],
         )
+        cores = list(cpu_cores[i]) if cpu_cores else []
         handles.append(
-            actor_cls.options(**options).remote(
-                backend=backend, engine_kwargs=kwargs, cpu_cores=list(cpu_cores)
-            )
+            actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs, cpu_cores=cores)
         )
     ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
     return handles
@@ -351,6 +271,7 @@ class EngineClient:
         self.timeout_s = timeout_s
         """Bound on every wait for the engines (a generation call, a reset, leaving a sync group)."""
         self._max_model_len: int | None = None
+        self._turn = 0
 
     @property
     def max_model_len(self) -> int:
@@ -370,9 +291,14 @@ class EngineClient:
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[tuple[int, Any]]:
         """Start generation; returns ``(first prompt index, object ref)`` per non-empty shard."""
         k = len(self.engines)
+        if len(prompts) < k:  # small calls (an episode's turn) take the engines in turn
+            first, self._turn = self._turn % k, self._turn + 1
+            engines = self.engines[first:] + self.engines[:first]
+        else:
+            engines = self.engines
         bounds = [len(prompts) * e // k for e in range(k + 1)]
         refs = []
-        for e, engine in enumerate(self.engines):
+        for e, engine in enumerate(engines):
             lo, hi = bounds[e], bounds[e + 1]
             if lo == hi:
                 continue

@@ -146,7 +146,9 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
     return out
 
 
-def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit: Stops) -> EngineClient:
+def _start_engines(
+    cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit: Stops, asynchronous: bool
+) -> EngineClient:
     """``--vllm.num_engines`` engines on the engines' placement group; each one's stop registered."""
 
     eg = plan.group("engines")
@@ -166,14 +168,24 @@ def _start_engines(cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit:
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
         start_timeout_s=cfg.ray.timeout_s,
-        asynchronous=cfg.train.async_.enabled,  # pauses and weight updates served while generating
-        cpu_cores=eg.cores,
+        asynchronous=asynchronous and cfg.rollout.backend == "vllm",
+        cpu_cores=_engine_cores(eg.cores, cfg.vllm.num_engines, plan.resources.nodes),
     )
     for h in handles:
         stop_at_exit(lambda h=h: _stop_engine(h))
     return EngineClient(
         handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size, timeout_s=cfg.ray.timeout_s
     )
+
+
+def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list[int]]:
+    """Each engine's own slice of its node's engine cores (engines spread evenly over the nodes; none
+    when the plan pins nothing)."""
+    if not cores:
+        return []
+    per_node = -(-engines // max(1, nodes))
+    share = max(1, len(cores) // per_node)
+    return [list(cores[(i % per_node) * share : (i % per_node + 1) * share] or cores) for i in range(engines)]
 
 
 def _stop_engine(handle: Any) -> None:
@@ -198,15 +210,17 @@ def start_components(
     *,
     stop_at_exit: Stops,
     engines: EngineClient | None = None,
+    asynchronous: bool = False,
 ) -> Components:
     """Start every learner group, then (while they set up) the engines unless ``engines`` are given,
-    then join the weight-sync group."""
+    then join the weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
+    concurrent calls and serve pauses and weight updates while generating."""
     path = str(model_dir)
     groups = launch_groups(
         _specs(cfg, plan, path), plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit
     )
     if engines is None:
-        engines = _start_engines(cfg, plan, pgs["engines"], path, stop_at_exit)
+        engines = _start_engines(cfg, plan, pgs["engines"], path, stop_at_exit, asynchronous)
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(

@@ -14,12 +14,13 @@ sample's staleness counts from its oldest token.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from rlhf_cli.ppo.rollout import RolloutBatch
@@ -65,6 +66,8 @@ class _NoPhases:
         return push()
 
 
+T = TypeVar("T")
+
 Produce = Callable[[int, int], RolloutBatch]
 """``produce(step, weight_version) -> RolloutBatch`` (``RolloutStage.produce``)."""
 
@@ -77,10 +80,12 @@ class _Failed:
 class RolloutPipeline:
     """Hands the trainer one :class:`RolloutBatch` per step; see the module docstring for the rule.
 
-    ``steps``: the steps to produce, in order. ``threaded``: run the producer thread even at eta = 0 (the
-    same schedule as producing inline; tests compare the two). ``timeout_s`` bounds every wait. ``phases``:
-    colocated engines and learners (synchronous only): the engines release their memory after each
-    rollout and take it back around each push (``MemoryPhases``).
+    ``produce`` generates (holding the engines); ``score`` then finishes a batch without them (e.g. the
+    reference forward). ``steps``: the steps to produce, in order. ``threaded``: run the producer thread
+    even at eta = 0 (the same schedule as producing inline; tests compare the two). The trainer waits for
+    the producer as long as it runs: each engine, reward and learner call inside has its own time limit.
+    ``phases``: colocated engines and learners (synchronous only): the engines release their memory after
+    each rollout and take it back around each push (``MemoryPhases``).
     """
 
     def __init__(
@@ -89,30 +94,31 @@ class RolloutPipeline:
         weights: WeightPush,
         *,
         steps: range,
+        score: Callable[[RolloutBatch], None] | None = None,
         max_staleness: int = 0,
         partial_rollout: bool = False,
         engines: Pausable | None = None,
-        timeout_s: float = 3600.0,
         threaded: bool | None = None,
         phases: Phases | None = None,
     ) -> None:
+        threaded = threaded if threaded is not None else max_staleness > 0
         if partial_rollout and (max_staleness < 1 or engines is None):
             raise ValueError("partial rollout needs max_staleness >= 1 and engines that pause")
-        if phases is not None and max_staleness > 0:
-            raise ValueError("colocated engines and learners take turns: no asynchronous rollouts with them")
+        if phases is not None and threaded:
+            raise ValueError("colocated engines and learners take turns: no rollouts ahead of training")
         self.phases: Phases = phases if phases is not None else _NoPhases()
-        self.produce, self.weights, self.steps = produce, weights, steps
+        self.produce, self.score, self.weights, self.steps = produce, score, weights, steps
         self.max_staleness, self.partial, self.engines = max_staleness, partial_rollout, engines
-        self.timeout_s = timeout_s
         self.first_version = weights.version
-        self._changed = threading.Condition()  # the engines' version moved, or the pipeline stops
+        self._changed = threading.Condition()  # the version moved, a sync is wanted or done, or stop
         self._generating = threading.Lock()  # held while a batch generates (no sync then, unless partial)
+        self._sync_wanted = False  # the trainer waits to sync: the producer starts no batch meanwhile
         self._ready: queue.Queue[RolloutBatch | _Failed] = queue.Queue()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.produced_ahead: list[int] = []
         """For each batch taken: batches produced but not yet taken at that moment (including it)."""
-        if threaded if threaded is not None else max_staleness > 0:
+        if threaded:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
             self._thread.start()
 
@@ -131,11 +137,10 @@ class RolloutPipeline:
             self.produced_ahead.append(1)
             batch = self.produce(step, self.weights.version)
             self.phases.after_rollout()  # colocated: the engines release the devices to the learners
+            if self.score is not None:
+                self.score(batch)
             return batch
-        try:
-            got = self._ready.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no rollout batch for step {step} within {self.timeout_s:.0f} s") from None
+        got = self._wait(lambda: self._ready.get(timeout=1.0), f"step {step}'s rollout batch")
         if isinstance(got, _Failed):
             raise got.error
         if got.step != step:
@@ -143,20 +148,45 @@ class RolloutPipeline:
         self.produced_ahead.append(self._ready.qsize() + 1)
         return got
 
+    def _wait(self, attempt: Callable[[], T], what: str) -> T:
+        """``attempt()`` (which gives up after a second) until it succeeds, as long as the producer runs
+        (each of its engine, reward and learner calls has its own time limit); once it has stopped, what
+        it left in the queue is taken, else this raises."""
+        while True:
+            try:
+                return attempt()
+            except (queue.Empty, TimeoutError):
+                if (self._thread is not None and self._thread.is_alive()) or not self._ready.empty():
+                    continue
+                raise RuntimeError(f"the rollout producer stopped before {what}") from None
+
+    def _lock_engines(self) -> None:
+        def attempt() -> None:
+            if not self._generating.acquire(timeout=1.0):
+                raise TimeoutError
+
+        with self._changed:
+            self._sync_wanted = True
+        try:
+            self._wait(attempt, "the engines (a batch is generating)")
+        finally:
+            with self._changed:
+                self._sync_wanted = False
+                self._changed.notify_all()
+
     def sync(self) -> SyncReport:
         """Push the trainer's weights as the next version: between batches (the producer's batch in flight
-        finishes first), or, with partial rollout, into paused engines."""
+        finishes first; it starts no other meanwhile), or, with partial rollout, into paused engines."""
         version = self.weights.version + 1
         if self.partial:
             assert self.engines is not None
-            self.engines.pause(mode="keep")
             try:
+                self.engines.pause(mode="keep")
                 report = self.weights.push(version=version)
             finally:
                 self.engines.resume()
         else:
-            if not self._generating.acquire(timeout=self.timeout_s):
-                raise TimeoutError(f"a rollout batch kept the engines more than {self.timeout_s:.0f} s")
+            self._lock_engines()
             try:
                 report = self.phases.around_push(lambda: self.weights.push(version=version))
             finally:
@@ -165,27 +195,40 @@ class RolloutPipeline:
             self._changed.notify_all()
         return report
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engines to the trainer alone (evaluation): no batch generates meanwhile."""
+        self._lock_engines()
+        try:
+            yield
+        finally:
+            self._generating.release()
+
     def close(self) -> None:
-        """Stop the producer (a batch generating finishes first, within ``timeout_s``)."""
+        """Stop the producer: it starts no other batch; one generating is left to the engines' shutdown
+        (the thread is a daemon), so a failed run does not wait for it."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=self.timeout_s)
+            self._thread.join(timeout=5.0)
+
+    def _admitted(self, step: int) -> bool:
+        """Wait until ``step`` may start (False: the pipeline stops)."""
+        with self._changed:
+            while not self._stopping and (self._sync_wanted or not self.admits(step, self.weights.version)):
+                self._changed.wait(timeout=1.0)
+            return not self._stopping
 
     def _run(self) -> None:
         try:
             for step in self.steps:
-                with self._changed:
-                    while not self._stopping and not self.admits(step, self.weights.version):
-                        self._changed.wait(timeout=1.0)
-                    if self._stopping:
-                        return
-                if self.partial:
+                if not self._admitted(step):
+                    return
+                with self._generating:  # partial rollout syncs without it; evaluation waits for it
                     batch = self.produce(step, self.weights.version)
-                else:
-                    with self._generating:
-                        batch = self.produce(step, self.weights.version)
+                if self.score is not None:
+                    self.score(batch)
                 self._ready.put(batch)
         except BaseException as err:  # handed to the trainer, which raises it
             self._ready.put(_Failed(err))

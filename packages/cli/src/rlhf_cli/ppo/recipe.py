@@ -4,6 +4,7 @@ experience -> updates -> weight sync -> log -> checkpoint, each step) -> clean-u
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,14 +54,22 @@ def _plan_for(cfg: PPOConfig, resources: ClusterResources, sizes: ModelSizes) ->
 
 
 def _start(
-    cfg: PPOConfig, r: Run, tokenizer: Any, engines: EngineClient | None
+    cfg: PPOConfig, r: Run, tokenizer: Any, engines: EngineClient | None, *, per_episode: bool
 ) -> tuple[Components, RunState]:
     """The groups, engines and weight sync; the checkpoint's state (or the demo's warm-up); the engines
     given the policy's weights (a resumed run re-sends the version it had)."""
     skip = ("engines",) if engines else ()
     pgs = placement_groups(r.plan, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit, skip=skip)
+    asynchronous = cfg.train.async_.enabled or per_episode  # agents call once per episode: batch them
     c = start_components(
-        cfg, r.plan, pgs, r.model_dir, tokenizer, stop_at_exit=r.stop_at_exit, engines=engines
+        cfg,
+        r.plan,
+        pgs,
+        r.model_dir,
+        tokenizer,
+        stop_at_exit=r.stop_at_exit,
+        engines=engines,
+        asynchronous=asynchronous,
     )
     state = r.resume(c.learner_groups(), RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef))
     if r.resume_from is None and cfg.warmup_runs:
@@ -73,12 +82,11 @@ def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_ste
     """Rollouts for the steps left, made ahead of training by up to ``--train.async.max_staleness``;
     asynchronous, the producer also runs the reference forward (it needs the samples alone)."""
     a = cfg.train.async_
+    if a.partial_rollout and not all(hasattr(e, "pause") for e in c.engines.engines):
+        raise ValueError("--train.async.partial_rollout: the engines given cannot pause (not asynchronous)")
 
-    def produce(step: int, version: int) -> RolloutBatch:
-        batch = rollout.produce(step, weight_version=version)
-        if a.enabled and c.ref is not None:
-            batch.reference_s = score_reference(cfg, batch.samples, c.ref)
-        return batch
+    def score(batch: RolloutBatch) -> None:
+        batch.reference_s = score_reference(cfg, batch.samples, c.ref) if c.ref is not None else None
 
     phases = None
     if cfg.colocated:  # the hybrid engine: one schedule of release, acquire, offload and reload
@@ -92,14 +100,14 @@ def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_ste
         )
         phases.before_rollout()  # after the start-up push
     return RolloutPipeline(
-        produce,
+        lambda step, version: rollout.produce(step, weight_version=version),
         c.sync,
-        phases=phases,
         steps=range(first_step, cfg.train.num_steps + 1),
+        score=score if a.enabled else None,
+        phases=phases,
         max_staleness=a.max_staleness,
         partial_rollout=a.partial_rollout,
         engines=c.engines,
-        timeout_s=cfg.ray.timeout_s,
     )
 
 
@@ -115,7 +123,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
     with setup.start() as r:
         r.stop_at_exit(executors.close)  # an OpenAI-API agent's server; nothing for the others
-        c, state = _start(cfg, r, tokenizer, engines)
+        c, state = _start(cfg, r, tokenizer, engines, per_episode=executors.per_episode)
         train_set.cursor = state.cursor
         make_executor = functools.partial(executors, c.engines)
         rewards = RewardStage(cfg, reward_model=c.reward)
@@ -128,8 +136,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         rollouts = _pipeline(cfg, rollout, c, first_step=state.step + 1)
         r.stop_at_exit(rollouts.close)
 
-        def evaluated(due: bool) -> dict[str, float]:
-            return evaluate(cfg, make_executor, eval_set, c.reward) if due else {}
+        evaluated = functools.partial(_evaluated, cfg, rollouts, make_executor, eval_set, c.reward)
 
         # ---- train: one call per stage ------------------------------------------------------------
         for step in range(state.step + 1, cfg.train.num_steps + 1):
@@ -155,18 +162,31 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
                 kl_coef=kl_ctl.value,
                 wandb_run_id=tracker.wandb_run_id,
             )
-            metrics = before | batch.metrics() | exp.metrics() | upd.metrics() | synced.metrics() | lag
-            metrics |= waited | timing
-            tracker.log(step, metrics | after)
+            parts = (before, batch.metrics(), exp.metrics(), upd.metrics(), synced.metrics(), lag, waited)
+            tracker.log(step, functools.reduce(operator.or_, parts) | timing | after)
             r.checkpoint(state, c.learner_groups())
 
         # ---- clean-up -------------------------------------------------------------------------------
         rollouts.close()
         tracker.notes += rollouts.phases.notes()
-        final = r.run_dir / "final_model"
-        c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
-        summary = tracker.close()
-        layouts = {name: g.layouts() for name, g in c.groups().items()}
-        return PPOResult(
-            run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary, layouts=layouts
-        )
+        return _finish(cfg, r, c, tracker)
+
+
+def _evaluated(cfg: PPOConfig, rollouts: RolloutPipeline, make_executor, eval_set, reward, due: bool):
+    """The evaluation metrics when due, with the engines to itself (no batch generates meanwhile: an
+    OpenAI-API agent's server and a reward-model group are shared with the rollouts)."""
+    if not due:
+        return {}
+    with rollouts.exclusive():
+        return evaluate(cfg, make_executor, eval_set, reward)
+
+
+def _finish(cfg: PPOConfig, r: Run, c: Components, tracker: Any) -> PPOResult:
+    """Export the actor, draw the curve, summarise."""
+    final = r.run_dir / "final_model"
+    c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
+    summary = tracker.close()
+    layouts = {name: g.layouts() for name, g in c.groups().items()}
+    return PPOResult(
+        run_dir=r.run_dir, final_model=final, history=tracker.history, summary=summary, layouts=layouts
+    )

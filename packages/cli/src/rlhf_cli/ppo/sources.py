@@ -85,6 +85,10 @@ class ExecutorFactory(Protocol):
     """``(engine, params) -> executor``; ``close()`` stops what the factory started (call it once the
     run ends, however it ends)."""
 
+    per_episode: bool
+    """Its executors call the engines once per episode and turn (multi-turn environments, OpenAI-API
+    agents), so the engines should batch concurrent calls (vLLM's ``AsyncLLM``)."""
+
     def __call__(self, engine: Any, params: SamplingParams) -> AgentExecutorBase: ...
 
     def close(self) -> None: ...
@@ -93,8 +97,10 @@ class ExecutorFactory(Protocol):
 class _PlainFactory:
     """A factory that starts nothing: ``close()`` does nothing."""
 
-    def __init__(self, make: Callable[[Any, SamplingParams], AgentExecutorBase]) -> None:
-        self._make = make
+    def __init__(
+        self, make: Callable[[Any, SamplingParams], AgentExecutorBase], *, per_episode: bool = False
+    ) -> None:
+        self._make, self.per_episode = make, per_episode
 
     def __call__(self, engine: Any, params: SamplingParams) -> AgentExecutorBase:
         return self._make(engine, params)
@@ -129,7 +135,7 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
                 max_length=limit,
             )
 
-        return _PlainFactory(multi)
+        return _PlainFactory(multi, per_episode=True)
     reward = (
         RewardFunction(agent.reward_func, name=f"reward_func in {path}", timeout_s=cfg.reward.func_timeout_s)
         if agent
@@ -160,6 +166,7 @@ class OpenAIAgentFactory:
         default_max_tokens: int,
     ) -> None:
         self.agent = _with_timeout(agent, timeout_s)
+        self.per_episode = True  # every agent makes its own calls
         self.path = path
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens

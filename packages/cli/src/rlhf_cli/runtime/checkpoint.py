@@ -66,7 +66,8 @@ also change ``eval.path``; for the offline commands it decides the held-out spli
 def resumable_changes(*, lr_scheduled: bool, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """``RESUMABLE_CHANGES`` plus ``extra``, less the run's length when a learning-rate schedule spans it
     (a resumed run with another length would follow another curve from the checkpoint's step on)."""
-    keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k.startswith("train.")))
+    length = ("train.num_steps", "train.max_steps", "train.num_epochs")
+    keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k in length))
     return (*keep, *extra)
 
 

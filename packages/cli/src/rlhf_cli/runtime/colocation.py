@@ -35,17 +35,30 @@ def colocate(groups: list[GroupPlan], sets: list[tuple[str, ...]]) -> list[Group
     return [by_name[g.name] for g in groups]
 
 
-def colocation_lines(groups: list[GroupPlan], device_gib: float | None) -> list[str]:
-    """For ``--dry-run``: each colocated set, and the memory its processes need on one device."""
+def colocation_lines(groups: list[GroupPlan], device_gib: float | None, *, engines: int = 1) -> list[str]:
+    """For ``--dry-run``: each colocated set, and the memory its processes need on one device; ConfigError
+    when that exceeds a GPU, or when more than one engine process shares GPUs with the actor (the weights
+    go over CUDA IPC from actor rank 0, which sees one GPU)."""
     lines = []
     for host in (g for g in groups if g.members):
         members = [host] + [g for g in groups if g.share == host.name]
         need = sum(g.memory_gib for g in members)
-        names = " + ".join(g.name for g in members)
+        names = {g.name for g in members}
+        if host.bundle.get("GPU") and {"actor", "engines"} <= names and engines > 1:
+            raise ConfigError(
+                f"--train.colocate_all on GPUs: {engines} engine processes would share the actor's GPUs, but "
+                "CUDA IPC reaches only actor rank 0's; use one engine with --vllm.tensor_parallel_size 1"
+            )
+        if host.bundle.get("GPU") and device_gib is not None and need > device_gib:
+            raise ConfigError(
+                f"--train.colocate_*: {' + '.join(sorted(names))} need {need:.2f} GiB on one GPU of "
+                f"{device_gib:.2f} GiB; lower --vllm.gpu_memory_utilization or colocate fewer groups"
+            )
+        label = " + ".join(g.name for g in members)
         if host.bundle.get("GPU"):
             fits = "" if device_gib is None else f" of {device_gib:.1f} GiB"
             where = f"{need:.2f} GiB per GPU{fits} (engines sleep while the learners train)"
         else:
             where = f"{need:.2f} GiB per bundle (on CPU they share the cores; vLLM-CPU cannot sleep)"
-        lines.append(f"colocated: {names} share {host.name}'s {host.processes} bundle(s); {where}")
+        lines.append(f"colocated: {label} share {host.name}'s {host.processes} bundle(s); {where}")
     return lines

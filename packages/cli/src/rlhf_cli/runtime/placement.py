@@ -370,7 +370,9 @@ def make_plan(
 
     one_host = len(set(resources.node_ips)) <= 1
     backend = cfg.rollout.backend
-    share = min(g.bundle.get("GPU", 1.0) for g in groups if g.name in ("actor", "engines"))
+    share = cfg.ray.gpus_per_worker
+    if any(s_ for s_ in cfg.colocated if {"actor", "engines"} <= set(s_)):
+        share = min(share, 0.5)  # the engines see the actor's GPUs: CUDA IPC
     try:
         transport = select_transport(
             cfg.weightsync.transport, gpu=gpu, one_host=one_host, backend=backend, gpus_per_worker=share
@@ -378,5 +380,5 @@ def make_plan(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     plan = _plan(groups, resources, transport, sizes.actor.params)
-    plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None))
+    plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None, engines=n * tp))
     return plan

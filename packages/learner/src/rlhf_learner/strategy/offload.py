@@ -13,8 +13,8 @@ def _why_not(engine: Any) -> str | None:
     """Why ``engine``'s states cannot (or need not) move, or None when they can."""
     if not torch.cuda.is_available():
         return "skipped: on CPU the states are in host memory already"
-    if getattr(engine, "optimizer", None) is None or not hasattr(engine, "offload_states"):
-        return "skipped: a frozen group has no optimizer states to move"
+    if not hasattr(getattr(engine, "optimizer", None), "offload_states"):  # frozen, or ZeRO stage 0
+        return "skipped: a frozen group (or ZeRO stage 0) has no optimizer states to move"
     params = engine.zero_offload_param() if hasattr(engine, "zero_offload_param") else None
     if params is not None and params.device != "none":  # an OffloadDeviceEnum (a str enum)
         return "skipped: --ds.offload_params keeps the parameters in host memory already"
