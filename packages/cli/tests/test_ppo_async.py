@@ -13,9 +13,9 @@ from rlhf_cli.config import PPOConfig, build_config
 from rlhf_cli.ppo.recipe import run
 
 FLAGS = [
-    *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "24"),
+    *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "12"),
     *("--train.micro_batch_size", "8", "--eval.every", "0", "--logger.progress", "false"),
-    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "3", "--ckpt.save_steps", "1"),
+    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "1", "--ckpt.save_steps", "1"),
     *("--logger.tensorboard", "false", "--algo.advantage.estimator", "group_norm"),
 ]
 

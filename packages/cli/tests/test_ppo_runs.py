@@ -7,6 +7,7 @@ The runs share one Ray cluster and two engines (conftest.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 from rlhf_cli.config import PPOConfig, build_config
+from rlhf_cli.ppo import recipe
+from rlhf_cli.ppo.pipeline import RolloutPipeline
 from rlhf_cli.ppo.recipe import run
+from safetensors.torch import load_file
 
 MISMATCH = 1e-3  # engine vs learner log-prob of a sampled token with the same weights (seen ~1e-6)
 
@@ -103,12 +107,6 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
     ]
     result = ppo(tmp_path / "run", one_engine, *flags)
     rows = check_run(result)
-    # the hybrid engine's placement (actor and reference on one placement group's bundles, the memory
-    # schedule reporting that CPU engines cannot sleep) trains exactly as separate placement
-    colocated = ppo(tmp_path / "colocated", one_engine, *flags, "--train.colocate_all")
-    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
-    assert untimed(colocated.history) == untimed(result.history)
-    assert "engines sleep (level 1): skipped: vLLM's CPU backend has no sleep mode" in colocated.summary
     for r in rows:  # the reward function's extra_logs, averaged per step under their own names
         assert r["extra/digits"] == pytest.approx(r["rollout/score_mean"], rel=1e-6)
         assert r["extra/half"] == pytest.approx(r["extra/digits"] / 2, rel=1e-6)
@@ -279,8 +277,10 @@ def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
 
 
 def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine, monkeypatch):
-    """(Also: the producer thread of asynchronous training, run at max staleness 0, gives the history and
-    final weights of producing inline, bit for bit.) With PPO mini-batches (their shuffle is seeded by the step). (A learning-rate schedule's state is
+    """(Also: the split run is colocated (the hybrid engine's placement: actor and engines on one
+    placement group's bundles, the memory schedule reporting that CPU engines cannot sleep), and the
+    producer thread of asynchronous training at max staleness 0, placed apart, gives its history and final
+    weights bit for bit.) With PPO mini-batches (their shuffle is seeded by the step). (A learning-rate schedule's state is
     in the checkpoint too: rlhf-learner's test_lr_schedule.py resumes one exactly; a run with a schedule
     may not change its length on resume: test_checkpoint_rules.py.)"""
     common = [
@@ -297,10 +297,27 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
     whole = ppo(tmp_path / "whole", one_engine, *common, "--train.num_steps", "4", "--ckpt.max_keep", "1")
     kept = sorted(p.name for p in (whole.run_dir / "checkpoints").glob("step_*"))
     assert kept == ["step_000004"]  # step 2 pruned by --ckpt.max_keep 1
-    first = ppo(tmp_path / "split", one_engine, *common, "--train.num_steps", "2")
+    first = ppo(tmp_path / "split", one_engine, *common, "--train.num_steps", "2", "--train.colocate_all")
     assert (first.run_dir / "checkpoints" / "latest").read_text() == "step_000002"
     assert not list((first.run_dir / "checkpoints").glob(".tmp-*"))
-    second = ppo(tmp_path / "split", one_engine, *common, "--train.num_steps", "4", "--ckpt.load_enable")
+    with monkeypatch.context() as m:  # the producer thread, placed apart: what the colocated split made
+        m.setattr(recipe, "RolloutPipeline", functools.partial(RolloutPipeline, threaded=True))
+        threaded = ppo(tmp_path / "threaded", one_engine, *common, "--train.num_steps", "2")
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert untimed(threaded.history) == untimed(first.history)
+    weights = [load_file(next(r.final_model.glob("*.safetensors"))) for r in (first, threaded)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+    second = ppo(
+        tmp_path / "split",
+        one_engine,
+        *common,
+        "--train.num_steps",
+        "4",
+        "--ckpt.load_enable",
+        "--train.colocate_all",
+    )
+    assert "engines sleep (level 1): skipped: vLLM's CPU backend has no sleep mode" in second.summary
     a = whole.history[-1]
     b = second.history[-1]
     assert a["step"] == b["step"] == 4 and len(second.history) == 4
@@ -313,20 +330,6 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
         "rollout/weight_version",
     ):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-
-    import functools
-
-    from rlhf_cli.ppo import recipe
-    from rlhf_cli.ppo.pipeline import RolloutPipeline
-    from safetensors.torch import load_file
-
-    monkeypatch.setattr(recipe, "RolloutPipeline", functools.partial(RolloutPipeline, threaded=True))
-    threaded = ppo(tmp_path / "threaded", one_engine, *common, "--train.num_steps", "4")
-    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
-    assert untimed(threaded.history) == untimed(whole.history)
-    weights = [load_file(next(r.final_model.glob("*.safetensors"))) for r in (whole, threaded)]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
 
 
 def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_path, ray_cluster):

@@ -120,29 +120,24 @@ def create_engines(
     (``VLLM_RAY_BUNDLE_INDICES``). Each actor asks for ``num_cpus_per_engine`` CPUs and
     ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
 
-    ``env_vars`` go into every actor's ``runtime_env`` (pass e.g. ``VLLM_CPU_KVCACHE_SPACE``,
-    ``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU`` here). A CPU vLLM engine runs torch on
-    ``OMP_NUM_THREADS`` threads, by default ``num_cpus_per_engine`` rounded (at least 1).
-    ``start_timeout_s`` bounds the wait for every engine to come up. ``cpu_cores``: one list per engine,
-    the cores of its node it is bound to (indices into the cores the actor may use; :func:`pin_to_cores`).
+    ``env_vars`` go into every actor's ``runtime_env`` (e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``:
+    a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``start_timeout_s``
+    bounds the start-up. ``cpu_cores``: per engine, the cores of its node it is bound to (:func:`pin_to_cores`).
     """
     import ray
 
+    from rlhf_rollout.async_vllm_engine import AsyncEngineActor
+
     tp = tensor_parallel_size
-    _check_engine_counts(num_engines=num_engines, backend=backend, tp=tp)
+    _check_engine_counts(num_engines=num_engines, backend=backend, tp=tp, cpu_cores=cpu_cores)
     bundle_indices = _resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
-    if cpu_cores and len(cpu_cores) != num_engines:
-        raise ValueError(f"cpu_cores has {len(cpu_cores)} core lists for {num_engines} engines")
-    from rlhf_rollout.async_vllm_engine import AsyncEngineActor
-
     actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
+    kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp, asynchronous=asynchronous)
     handles = []
     for i in range(num_engines):
-        kwargs = _engine_kwargs(
-            backend=backend, engine_kwargs=engine_kwargs, tp=tp, asynchronous=asynchronous
-        )
+        bundles = None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp]
         options = _actor_options(
             asynchronous=asynchronous,
             backend=backend,
@@ -151,18 +146,24 @@ def create_engines(
             num_gpus=num_gpus_per_engine,
             env_vars=env_vars,
             placement_group=placement_group,
-            bundles=None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp],
+            bundles=bundles,
         )
         cores = list(cpu_cores[i]) if cpu_cores else []
-        handles.append(
-            actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs, cpu_cores=cores)
+        handle = actor_cls.options(**options).remote(
+            backend=backend, engine_kwargs=dict(kwargs), cpu_cores=cores
         )
+        handles.append(handle)
     ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
     return handles
 
 
-def _check_engine_counts(*, num_engines: int, backend: Backend, tp: int) -> None:
-    """At least one engine, of at least one worker; only vLLM shards a model over several."""
+def _check_engine_counts(
+    *, num_engines: int, backend: Backend, tp: int, cpu_cores: Sequence[Sequence[int]] = ()
+) -> None:
+    """At least one engine, of at least one worker; only vLLM shards a model over several; one core list
+    per engine when pinned."""
+    if cpu_cores and len(cpu_cores) != num_engines:
+        raise ValueError(f"cpu_cores has {len(cpu_cores)} core lists for {num_engines} engines")
     if num_engines < 1:
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
     if tp < 1:
