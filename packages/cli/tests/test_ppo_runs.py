@@ -354,3 +354,54 @@ def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_
         assert r["filter/rounds"] in (1.0, 2.0)
         assert r["filter/refilled_with_dropped_groups"] == 0 or r["filter/rounds"] == 2
     # the filter's and the corrections' effects are asserted in test_stages.py and test_tis.py
+
+
+ASYNC_FLAGS = [
+    *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "12"),
+    *("--train.micro_batch_size", "8", "--eval.every", "0", "--logger.progress", "false"),
+    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "1", "--ckpt.save_steps", "1"),
+    *("--logger.tensorboard", "false", "--algo.advantage.estimator", "group_norm"),
+]
+
+
+def async_ppo(run_dir, engines, *flags):
+    return run(
+        build_config(PPOConfig, [*ASYNC_FLAGS, "--logger.run_dir", str(run_dir), *flags]), engines=engines
+    )
+
+
+def cursor_at(run_dir, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "run_state.json").read_text())["cursor"]
+
+
+def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_bound(tmp_path, async_engine):
+    """Asynchronous on the asynchronous engine (``AsyncLLM`` in an async Ray actor): generation runs ahead
+    within the staleness bound, partial rollout lands updates into paused engines, and a resumed run trains
+    every prompt exactly once. (The schedule under random delays: test_pipeline.py; the engine's
+    mid-generation update: rlhf-rollout's test_async_vllm.py.)"""
+    first = async_ppo(
+        tmp_path / "run", async_engine, "--train.num_steps", "2", "--train.async.max_staleness", "1"
+    )
+    rows = first.history
+    assert rows[0]["sync/staleness_max"] == 0.0 and rows[0]["rollout/weight_version"] == 1.0
+    for step, r in enumerate(rows, start=1):  # non-partial: a batch's samples share one version
+        assert r["sync/staleness_max"] == r["sync/staleness_mean"] == step - r["rollout/weight_version"]
+        assert r["sync/staleness_max"] <= 1.0
+    assert [r["sync/weight_version"] for r in rows] == [2.0, 3.0]
+    # the producer ran ahead, but the checkpoint holds where the trained batches end: 2 x 4 prompts
+    assert cursor_at(first.run_dir, 2) == {"epoch": 0, "index": 8}
+    second = async_ppo(
+        tmp_path / "run",
+        async_engine,
+        *("--train.num_steps", "4", "--ckpt.load_enable"),
+        *("--train.async.max_staleness", "2", "--train.async.partial_rollout"),
+    )
+    rows = second.history[2:]
+    assert [r["step"] for r in rows] == [3, 4]
+    assert cursor_at(second.run_dir, 3) == {"epoch": 0, "index": 12}  # batch 3 is the prompts after batch 2
+    assert cursor_at(second.run_dir, 4) == {"epoch": 0, "index": 16}
+    for r in rows:
+        assert 0.0 <= r["sync/staleness_max"] <= 2.0
+        assert r["sync/staleness_0_frac"] + r["sync/staleness_1_frac"] + r["sync/staleness_2_frac"] == 1.0
+        assert r["rollout/response_length"] > 0
+    assert [r["sync/weight_version"] for r in rows] == [4.0, 5.0]
