@@ -48,14 +48,22 @@ class Engines:
     def resume(self) -> None:
         self.paused = False
 
+    def wait_for(self, event: tuple, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(e[: len(event)] == event for e in self.events):  # ("start", 2): any version
+            assert time.monotonic() < deadline, f"never happened: {event}"
+            time.sleep(0.001)
+
     def produce(self, step: int, version: int) -> RolloutBatch:
         self.generating += 1
         self.log("start", step, version, self.trained)
         spans = []
-        for _ in range(3):  # three 'tokens', each sampled by the version the engines hold then
+        for token in range(3):  # three 'tokens', each sampled by the version the engines hold then
             if not self.paused:
                 spans.append(self.version)
             time.sleep(self.rng.uniform(0, 0.003))
+            if token == 0:
+                self.after_first_token(step)
         self.generating -= 1
         self.log("done", step)
         return RolloutBatch(
@@ -67,14 +75,36 @@ class Engines:
             reward_s=0.0,
         )
 
+    def after_first_token(self, step: int) -> None:
+        pass
+
+
+class MidBatchSyncs(Engines):
+    """Each batch after the first holds after its first token until the next version arrives (a sync
+    that lands mid-batch), or 5 s."""
+
+    def after_first_token(self, step: int) -> None:
+        if step > 1:
+            self.wait_for(("push", step), timeout=5.0)
+
 
 class _Sampled:
     def __init__(self, version: int) -> None:
         self.weight_version = version
 
 
-def drive(eta: int, *, partial: bool = False, steps: int = 30, seed: int = 0, threaded=None):
-    eng = Engines(seed)
+def drive(
+    eta: int,
+    *,
+    partial: bool = False,
+    steps: int = 30,
+    seed: int = 0,
+    threaded=None,
+    before_sync=None,
+    engines=None,
+):
+    """``before_sync(step)``: the event the trainer waits for before step ``step``'s sync."""
+    eng = engines or Engines(seed)
     pipe = RolloutPipeline(
         eng.produce,
         eng,
@@ -93,6 +123,8 @@ def drive(eta: int, *, partial: bool = False, steps: int = 30, seed: int = 0, th
             assert policy == eng.version  # the trainer updates the version the engines hold
             lags.append(staleness_metrics(batch, policy_version=policy, eta=eta))
             time.sleep(eng.rng.uniform(0, 0.004))  # the update
+            if before_sync is not None:
+                eng.wait_for(before_sync(step))
             pipe.sync()
             eng.trained += 1
     finally:
@@ -105,7 +137,6 @@ def drive(eta: int, *, partial: bool = False, steps: int = 30, seed: int = 0, th
 def test_staleness_stays_within_eta_and_the_producer_within_eta_plus_one(eta, seed):
     eng, pipe, lags = drive(eta, seed=seed)
     assert all(m["sync/staleness_max"] <= eta for m in lags)
-    assert max(m["sync/staleness_max"] for m in lags) == eta or eta == 0  # eta is used, not just allowed
     starts = [e for e in eng.events if e[0] == "start"]
     assert [e[1] for e in starts] == list(range(1, 31))
     for _, step, version, trained in starts:
@@ -114,6 +145,16 @@ def test_staleness_stays_within_eta_and_the_producer_within_eta_plus_one(eta, se
     assert max(pipe.produced_ahead) <= eta + 1
     pushes = [e for e in eng.events if e[0] == "push"]
     assert all(generating == 0 for _, _, generating, _ in pushes)  # never inside a batch
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_a_producer_faster_than_the_trainer_uses_all_of_eta(eta):
+    """Batch s + eta is generated while step s trains, so from step eta + 1 on every sample is exactly
+    eta versions old: eta is used, not just allowed (and never exceeded)."""
+    # the update outlasts generation: the producer fills what eta admits before each sync
+    _, pipe, lags = drive(eta, steps=12, before_sync=lambda s: ("done", min(s + eta, 12)))
+    assert [m["sync/staleness_max"] for m in lags] == [min(s - 1, eta) for s in range(1, 13)]
+    assert max(pipe.produced_ahead) == eta  # taken at step s: batches s .. s + eta - 1 were waiting
 
 
 def test_at_eta_zero_the_producer_thread_follows_the_synchronous_order():
@@ -128,11 +169,16 @@ def test_at_eta_zero_the_producer_thread_follows_the_synchronous_order():
 
 
 def test_partial_rollout_syncs_only_into_paused_engines_and_counts_the_oldest_token():
-    eng, _, lags = drive(1, partial=True, steps=40, seed=3)
+    eng = MidBatchSyncs(3)
+    # each sync waits until the next batch has started (it holds for the sync after one token)
+    eng, _, lags = drive(
+        1, partial=True, steps=12, engines=eng, before_sync=lambda s: ("start", min(s + 1, 12))
+    )
     pushes = [e for e in eng.events if e[0] == "push"]
     assert all(paused for *_, paused in pushes)
-    assert any(generating for _, _, generating, _ in pushes)  # some landed mid-batch (the point of it)
-    assert all(m["sync/staleness_max"] <= 1 for m in lags)
+    assert all(generating for _, _, generating, _ in pushes[:-1])  # mid-batch (the point of it)
+    # batch s began on version s - 1 and ended on s: it counts from its oldest token
+    assert [m["sync/staleness_max"] for m in lags] == [0] + [1] * 11
 
 
 def test_a_failing_batch_is_raised_to_the_trainer():
