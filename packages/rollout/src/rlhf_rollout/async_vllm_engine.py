@@ -17,14 +17,19 @@ from rlhf_rollout.engine import (
     check_prompts,
 )
 from rlhf_rollout.types import Generation, SamplingParams
-from rlhf_rollout.vllm_engine import merge_worker_reports, to_generation, vllm_sampling_params
+from rlhf_rollout.vllm_engine import (
+    VLLMOptions,
+    merge_worker_reports,
+    to_generation,
+    vllm_sampling_params,
+)
 
 __all__ = ["AsyncEngineActor", "AsyncVLLMEngine"]
 
 PauseMode = Literal["keep", "wait", "abort"]
 
 
-class AsyncVLLMEngine:
+class AsyncVLLMEngine(VLLMOptions):
     """A ``vllm.v1.engine.async_llm.AsyncLLM`` (its engine core runs in a child process).
 
     Every method that talks to the engine is a coroutine, so one event loop can generate and, meanwhile,
@@ -34,76 +39,17 @@ class AsyncVLLMEngine:
     :class:`~rlhf_rollout.vllm_engine.VLLMEngine`; sleep mode is GPU only, as there.
     """
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        enable_sleep_mode: bool = False,
-        worker_extension_cls: str | None = None,
-        distributed_executor_backend: str | None = None,
-        gpu_memory_utilization: float | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._on_cpu = bool(current_platform.is_cpu())
-        if enable_sleep_mode and self._on_cpu:
-            raise ValueError("enable_sleep_mode=True: vLLM's CPU backend has no sleep mode (GPU only)")
-        kwargs: dict[str, Any] = dict(
-            model=str(model),
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            worker_extension_cls=worker_extension_cls or "",
-            distributed_executor_backend=distributed_executor_backend,
-        )
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        overlap = set(kwargs) & set(engine_kwargs or {})
-        if overlap:
-            raise ValueError(f"engine_kwargs repeats typed options {sorted(overlap)}; pass them by name")
-        kwargs.update(engine_kwargs or {})
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        config = self._llm.model_config
-        self._max_model_len = int(config.max_model_len)
-        self._vocab_size = int(config.get_vocab_size())
-        self._sleep_enabled = enable_sleep_mode
-        self._extension = worker_extension_cls
-        self._prefix_caching = enable_prefix_caching
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._ids = itertools.count()
         self._labelled = False  # the weights read at start-up are labelled version 0 on first use
 
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        notes = ["vLLM's CPU backend has no sleep mode"] if self._on_cpu else []
-        if not self._on_cpu and not self._sleep_enabled:
-            notes.append("sleep mode needs enable_sleep_mode=True")
-        if self._extension is None:
-            notes.append("weight sync needs worker_extension_cls")
-        notes.append("load_weights: not supported; weights go through the worker extension")
-        return EngineCapabilities(
-            backend="vllm-cpu" if self._on_cpu else "vllm",
-            sleep=self._sleep_enabled and not self._on_cpu,
-            prefix_cache=self._prefix_caching,
-            weight_sync_extension=self._extension is not None,
-            load_weights=False,
-            notes="; ".join(notes),
-        )
+    def _start(self, kwargs: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        return self._llm.model_config
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

@@ -13,21 +13,12 @@ from rlhf_rollout.engine import (
 )
 from rlhf_rollout.types import Generation, SamplingParams, VersionSpan
 
-__all__ = ["VLLMEngine", "merge_worker_reports", "to_generation", "vllm_sampling_params"]
+__all__ = ["VLLMEngine", "VLLMOptions", "merge_worker_reports", "to_generation", "vllm_sampling_params"]
 
 
-class VLLMEngine:
-    """A ``vllm.LLM`` behind the :class:`~rlhf_rollout.engine.RolloutEngine` protocol.
-
-    Logprobs are those of the processed sampling distribution: the engine is built with
-    ``logprobs_mode="processed_logprobs"`` (after temperature, top-k and top-p), one logprob per
-    sampled token (``logprobs=0``). Weight updates go through a worker extension named by
-    ``worker_extension_cls`` (e.g. ``"rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension"``), called by
-    method name over ``collective_rpc``; the prefix cache is reset after every update.
-
-    On vLLM's CPU backend sleep mode does not exist: ``enable_sleep_mode=True`` is rejected here and
-    ``sleep()`` / ``wake_up()`` raise :class:`UnsupportedOperationError`.
-    """
+class VLLMOptions:
+    """What both vLLM engines share: the options they are built with (``_start`` builds the engine from
+    vLLM's keyword arguments and returns its model config) and the capabilities those options give."""
 
     def __init__(
         self,
@@ -44,7 +35,6 @@ class VLLMEngine:
         gpu_memory_utilization: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        import vllm
         from vllm.platforms import current_platform
 
         self._on_cpu = bool(current_platform.is_cpu())
@@ -72,9 +62,7 @@ class VLLMEngine:
         if overlap:
             raise ValueError(f"engine_kwargs repeats typed options {sorted(overlap)}; pass them by name")
         kwargs.update(engine_kwargs or {})
-        self._llm = vllm.LLM(**kwargs)
-        self._vllm = vllm
-        config = self._llm.llm_engine.model_config
+        config = self._start(kwargs)
         self._max_model_len = int(config.max_model_len)
         self._vocab_size = int(config.get_vocab_size())
         self._sleep_enabled = enable_sleep_mode
@@ -100,9 +88,33 @@ class VLLMEngine:
             notes="; ".join(notes),
         )
 
+    def _start(self, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+
+class VLLMEngine(VLLMOptions):
+    """A ``vllm.LLM`` behind the :class:`~rlhf_rollout.engine.RolloutEngine` protocol.
+
+    Logprobs are those of the processed sampling distribution: the engine is built with
+    ``logprobs_mode="processed_logprobs"`` (after temperature, top-k and top-p), one logprob per
+    sampled token (``logprobs=0``). Weight updates go through a worker extension named by
+    ``worker_extension_cls`` (e.g. ``"rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension"``), called by
+    method name over ``collective_rpc``; the prefix cache is reset after every update.
+
+    On vLLM's CPU backend sleep mode does not exist: ``enable_sleep_mode=True`` is rejected here and
+    ``sleep()`` / ``wake_up()`` raise :class:`UnsupportedOperationError`.
+    """
+
+    def _start(self, kwargs: dict[str, Any]) -> Any:
+        import vllm
+
+        self._llm = vllm.LLM(**kwargs)
+        self._vllm = vllm
+        return self._llm.llm_engine.model_config
 
     @property
     def llm(self):
