@@ -54,8 +54,13 @@ def _factory(agent, *, timeout_s: float = 30.0) -> OpenAIAgentFactory:
 def test_the_server_samples_at_the_run_settings_and_keeps_one_trajectory_per_episode():
     import openai
 
-    async def agent(*, base_url: str, prompt: str, label) -> float:
+    async def agent(*, base_url: str, api_key: str, prompt: str, label) -> float:
         async with openai.AsyncOpenAI(base_url=base_url, api_key="x", timeout=30.0, max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):  # the run's server wants the run's key
+                await client.models.list()
+        async with openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key, timeout=30.0, max_retries=0
+        ) as client:
             first = await client.chat.completions.create(
                 model="policy",
                 messages=[{"role": "user", "content": prompt}],
@@ -89,10 +94,10 @@ def test_the_server_samples_at_the_run_settings_and_keeps_one_trajectory_per_epi
 
 
 def test_agent_errors_and_timeouts_name_the_file_and_the_sample():
-    async def failing(*, base_url: str, prompt: str, label) -> float:
+    async def failing(*, base_url: str, api_key: str, prompt: str, label) -> float:
         raise KeyError(f"no answer for {label}")
 
-    async def slow(*, base_url: str, prompt: str, label) -> float:
+    async def slow(**kwargs) -> float:
         await asyncio.sleep(30)
         return 0.0
 
@@ -114,9 +119,16 @@ def test_agent_errors_and_timeouts_name_the_file_and_the_sample():
     ("source", "message"),
     [
         ("x = 1\n", "defines none of make_env\\(\\) \\(multi-turn\\), run_agent"),
-        ("def run_agent(*, base_url, prompt, label):\n    return 1.0\n", "must be 'async def run_agent"),
         (
-            "async def run_agent(*, base_url, prompt, label):\n    return 1.0\n\n"
+            "def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n",
+            "must be 'async def run_agent",
+        ),
+        (  # the token is part of the contract: an agent without it could not call the server
+            "async def run_agent(*, base_url, prompt, label):\n    return 1.0\n",
+            r"must be 'async def run_agent\(\*, base_url, api_key, prompt, label\) -> float'",
+        ),
+        (
+            "async def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n\n"
             "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n",
             "defines run_agent and reward_func: define one",
         ),

@@ -3,16 +3,19 @@ turns an OpenAI-API agent's calls back into exact-token trajectories."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
 from rlhf_rollout import OpenAIAgentExecutor, OpenAIServer
 from rollout_testutil import reference_logprobs
 
+KEY = "k3y"
+
 
 @pytest.fixture(scope="module")
 def server(hf_engine, tokenizer):
-    with OpenAIServer(engine=hf_engine, tokenizer=tokenizer) as srv:
+    with OpenAIServer(engine=hf_engine, tokenizer=tokenizer, api_key=KEY, max_body_bytes=4096) as srv:
         yield srv
 
 
@@ -23,7 +26,7 @@ def _chat_ids(tokenizer, messages):
 
 def test_chat_and_completions_are_recorded_exactly(server, tokenizer, hf_model):
     assert server.url.startswith("http://127.0.0.1:")
-    client = openai.OpenAI(base_url=server.base_url("s1"), api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.base_url("s1"), api_key=KEY, max_retries=0)
     messages = [{"role": "user", "content": "what is two plus two"}]
     chat = client.chat.completions.create(
         model="policy", messages=messages, max_tokens=12, temperature=0.8, seed=1
@@ -50,7 +53,7 @@ def test_chat_and_completions_are_recorded_exactly(server, tokenizer, hf_model):
 
 
 def test_bad_requests_are_400_with_a_reason(server):
-    client = openai.OpenAI(base_url=server.base_url(), api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.base_url(), api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="'stop' strings are not supported"):
         client.completions.create(model="policy", prompt="hello", max_tokens=4, stop=["\n"])
     with pytest.raises(openai.BadRequestError, match="prompt 0 has 600 tokens"):
@@ -68,10 +71,28 @@ def test_bad_requests_are_400_with_a_reason(server):
     assert server.records() == []
 
 
-async def agent(*, base_url: str, prompt: str, label) -> float:
+def test_requests_need_the_bearer_token_and_a_bounded_body(server):
+    for key in ("wrong", KEY + "x", KEY[:-1]):
+        client = openai.OpenAI(base_url=server.base_url("s9"), api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="missing or wrong bearer token"):
+            client.completions.create(model="policy", prompt=[1, 40], max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    client = openai.OpenAI(base_url=server.base_url("s9"), api_key=KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError, match="4096-byte limit") as err:
+        client.completions.create(model="policy", prompt="x" * 5000, max_tokens=2)
+    assert err.value.status_code == 413
+    for path in ("/docs", "/openapi.json"):  # no unauthenticated pages either
+        assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    r = httpx.post(server.base_url("s9") + "/completions", json={"prompt": [1], "max_tokens": 1})
+    assert r.status_code == 401  # no header at all
+    assert server.records("s9") == []
+
+
+async def agent(*, base_url: str, api_key: str, prompt: str, label) -> float:
     """Three calls: a chat turn; a completion that extends the exact tokens (merged into the same
     trajectory); a chat call that re-renders the history from text (a new trajectory)."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": prompt}]
     first = await client.chat.completions.create(
         model="policy",

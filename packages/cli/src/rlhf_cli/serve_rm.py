@@ -10,7 +10,6 @@ token guards both; bodies over the size limit get 413, malformed ones 422 with t
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
 
-import hmac
 import os
 import socket
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, model_validator
+from rlhf_rollout.http_guard import HTTPGuard
 
 from rlhf_cli.config.models import REWARD_TOKEN_ENV as TOKEN_ENV
 
@@ -93,74 +93,18 @@ class RewardScorer:
         return self.score_ids([self.encode(t) for t in texts])
 
 
-class _BodyLimit:
-    """ASGI middleware: a body over ``limit`` bytes gets 413 before the app reads it."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._reject(send)
-            return
-        body, more = b"", True
-        while more:  # read the whole body first (chunked uploads have no Content-Length)
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, receive, send)  # a disconnect: let the app see it
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                await self._reject(send)
-                return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send: Any) -> None:
-        body = (
-            f'{{"detail": "request body over the {self.limit}-byte limit (--serve.max_body_bytes)"}}'.encode()
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
 def build_app(scorer: RewardScorer, *, token: str | None, max_body_bytes: int) -> Any:
-    """The FastAPI application (wrapped in the body-size limit)."""
-    from fastapi import Depends, FastAPI, HTTPException, Request
+    """The FastAPI application, behind the bearer token and the body-size limit."""
+    from fastapi import FastAPI, HTTPException
     from fastapi.concurrency import run_in_threadpool
 
     app = FastAPI(title="rlhf reward model", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {token}".encode() if token is not None else None
 
-    def authorized(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if expected is not None and not hmac.compare_digest(given, expected):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
-
-    @app.get("/health", dependencies=[Depends(authorized)])
+    @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "model": scorer.path, "normalized": scorer.normalized}
 
-    @app.post("/score", dependencies=[Depends(authorized)])
+    @app.post("/score")
     async def score(body: ScoreRequest) -> dict:
         if body.queries is not None:
             scores = await run_in_threadpool(scorer.score_texts, body.queries)
@@ -176,7 +120,7 @@ def build_app(scorer: RewardScorer, *, token: str | None, max_body_bytes: int) -
             scores = await run_in_threadpool(scorer.score_ids, body.input_ids)
         return {"rewards": scores, "scores": scores}
 
-    return _BodyLimit(app, max_body_bytes)
+    return HTTPGuard(app, token=token, max_body_bytes=max_body_bytes, limit_hint="--serve.max_body_bytes")
 
 
 class RewardServer:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import openai
 
 
-async def run_agent(*, base_url: str, prompt: str, label) -> float:
-    async with openai.AsyncOpenAI(
-        base_url=base_url, api_key="unused", timeout=120.0, max_retries=0
-    ) as client:
+async def run_agent(*, base_url: str, api_key: str, prompt: str, label) -> float:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0) as client:
         first = await client.chat.completions.create(
             model="policy",
             messages=[{"role": "user", "content": prompt}],

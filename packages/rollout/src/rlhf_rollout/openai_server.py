@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_rollout.executors.base import agenerate
+from rlhf_rollout.http_guard import HTTPGuard
 from rlhf_rollout.types import Generation, SamplingParams
 
 __all__ = ["CallRecord", "OpenAIServer"]
@@ -46,6 +47,9 @@ class OpenAIServer:
     ``return_token_ids`` (adds ``prompt_token_ids`` to the response and ``token_ids`` to each choice,
     so an agent can extend the exact token sequence instead of re-rendering text).
     ``stop`` strings are rejected (HTTP 400): they would cut sampled tokens at a text boundary.
+
+    With ``api_key`` set every request must carry ``Authorization: Bearer <api_key>`` (what an OpenAI
+    client sends for its ``api_key``), else 401; bodies over ``max_body_bytes`` get 413.
     """
 
     def __init__(
@@ -57,8 +61,12 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         default_max_tokens: int = 256,
+        api_key: str | None = None,
+        max_body_bytes: int = 8 * 2**20,
     ) -> None:
         self.engine = engine
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host = host
@@ -95,7 +103,8 @@ class OpenAIServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
+        app = HTTPGuard(self.app, token=self.api_key, max_body_bytes=self.max_body_bytes)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
@@ -123,7 +132,7 @@ class OpenAIServer:
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse
 
-        app = FastAPI()
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
         async def handle(kind: str, session: str, request: Request):
             try:

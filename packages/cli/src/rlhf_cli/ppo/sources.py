@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -35,7 +36,9 @@ from rlhf_rollout.types import Generation
 __all__ = ["AGENT_FUNC", "ExecutorFactory", "OpenAIAgentFactory", "executor_factory", "load_agent_file"]
 
 AGENT_FUNC = "run_agent"
-"""``async def run_agent(*, base_url, prompt, label) -> float`` in an agent file: an OpenAI-API agent."""
+"""``async def run_agent(*, base_url, api_key, prompt, label) -> float`` in an agent file: an OpenAI-API
+agent (``api_key``: the run's server's bearer token, for the OpenAI client)."""
+_AGENT_SIGNATURE = f"'async def {AGENT_FUNC}(*, base_url, api_key, prompt, label) -> float'"
 
 _ENTRY_POINTS = ("make_env", AGENT_FUNC, "reward_func")
 
@@ -55,12 +58,20 @@ def load_agent_file(path: Path) -> Any:
         )
     if AGENT_FUNC in found and len(found) > 1:
         raise ValueError(f"--train.agent_func_path: {str(path)!r} defines {' and '.join(found)}: define one")
-    if AGENT_FUNC in found and not inspect.iscoroutinefunction(getattr(module, AGENT_FUNC)):
-        raise ValueError(
-            f"--train.agent_func_path: {AGENT_FUNC} in {str(path)!r} must be "
-            f"'async def {AGENT_FUNC}(*, base_url, prompt, label) -> float'"
-        )
+    if AGENT_FUNC in found and not _agent_signature_fits(getattr(module, AGENT_FUNC)):
+        raise ValueError(f"--train.agent_func_path: {AGENT_FUNC} in {str(path)!r} must be {_AGENT_SIGNATURE}")
     return module
+
+
+def _agent_signature_fits(agent: Callable[..., Any]) -> bool:
+    """A coroutine function that takes the four keyword arguments (by name or ``**kwargs``)."""
+    if not inspect.iscoroutinefunction(agent):
+        return False
+    params = inspect.signature(agent).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    named = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return {"base_url", "api_key", "prompt", "label"} <= named
 
 
 def _reward_source(cfg: PPOConfig) -> Any:
@@ -183,7 +194,10 @@ class OpenAIAgentFactory:
         with self._lock:
             if self._server is None:
                 self._server = OpenAIServer(
-                    engine=None, tokenizer=self.tokenizer, default_max_tokens=self.default_max_tokens
+                    engine=None,
+                    tokenizer=self.tokenizer,
+                    default_max_tokens=self.default_max_tokens,
+                    api_key=secrets.token_urlsafe(32),  # only the run's agents get it
                 ).start()
             return self._server
 

@@ -13,7 +13,8 @@ from rlhf_rollout.executors.base import Trajectory, check_labels
 __all__ = ["OpenAIAgentExecutor", "trajectories_from_records"]
 
 Agent = Callable[..., Awaitable[float]]
-"""``await agent(base_url=..., prompt=..., label=...)`` → the episode's reward."""
+"""``await agent(base_url=..., api_key=..., prompt=..., label=...)`` → the episode's reward (``api_key``:
+the server's bearer token, to pass to the OpenAI client)."""
 
 
 def trajectories_from_records(
@@ -77,7 +78,10 @@ class OpenAIAgentExecutor:
             try:
                 reward = float(
                     await self.agent(
-                        base_url=self.server.base_url(session), prompt=prompts[i], label=labels[i]
+                        base_url=self.server.base_url(session),
+                        api_key=self.server.api_key or "none",
+                        prompt=prompts[i],
+                        label=labels[i],
                     )
                 )
             except Exception as err:
