@@ -63,38 +63,6 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_sft_loss_falls_and_resume_equals_uninterrupted(ray_cluster, demo_model_dir, data, tmp_path):
-    flags = [
-        *on(demo_model_dir, data / "sft.jsonl"),
-        "--data.apply_chat_template",
-        "--train.batch_size",
-        "16",
-        "--train.max_steps",
-        "4",
-        "--train.num_epochs",
-        "3",
-        "--eval.every",
-        "2",
-        "--ckpt.save_steps",
-        "2",
-    ]
-    full = run(SFTConfig, "sft", tmp_path / "full", *flags)
-    a = rows(full.run_dir)
-    assert [r["step"] for r in a] == [1, 2, 3, 4]
-    assert a[-1]["train/loss"] < 0.8 * a[0]["train/loss"]
-    assert a[-1]["eval/loss"] < a[0]["eval/loss"]
-    assert (full.run_dir / "loss_curve.png").stat().st_size > 0
-    resume_from(full.run_dir, tmp_path / "resumed", 2)
-    resumed = run(SFTConfig, "sft", tmp_path / "resumed", *flags, "--ckpt.load_enable")
-    b = rows(resumed.run_dir)
-    assert [r["step"] for r in b] == [3, 4]  # steps 1-2 came from the checkpoint
-    for x, y in zip(a[2:], b, strict=True):
-        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-6)
-        assert y["train/epoch"] == x["train/epoch"]  # the same data position
-    wa, wb = weights(full.final_model), weights(resumed.final_model)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
 def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data, tmp_path):
     flags = [
         *on(demo_model_dir, data / "preferences.jsonl"),

@@ -79,6 +79,8 @@ def _config_command(
     """The shared front of every configured command: --help, --config + dotted flags, --print-config,
     --dry-run, then ``execute(cfg)``; errors become one line and exit status 2."""
     from rlhf_cli.config import ConfigError, build_config, dump_yaml
+    from rlhf_cli.runtime.checkpoint import RunFinished
+    from rlhf_cli.runtime.failures import ActorDiedError  # (imports nothing heavy)
 
     opts, flags = _split_options(list(ctx.args))
     if opts["help"]:
@@ -105,6 +107,11 @@ def _config_command(
         if _from_a_ray_worker(err):
             raise  # a failure inside an actor: its traceback is the useful part
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except RunFinished as err:  # --ckpt.load_enable on a finished run: nothing to do, and said so
+        typer.echo(str(err))
+    except ActorDiedError as err:  # a learner rank or an engine died: which, and how to resume
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,11 @@
 
 Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder). Markers: ``gpu`` tests are skipped
 when CUDA is absent; ``slow`` is registered for end-to-end tests.
+
+Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
+started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
+fails at teardown, naming the processes. Fixtures shared by several tests are checked the same way at
+the end of their module and of the session.
 """
 
 from __future__ import annotations
@@ -9,10 +14,17 @@ from __future__ import annotations
 import pytest
 from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
+from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
+
+GRACE_S = 30.0
+_SESSION_OWNED = pytest.StashKey[set]()
+"""Processes that session-wide fixtures started (a Ray cluster): they outlive modules by design."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped when no CUDA device is present")
     config.addinivalue_line("markers", "slow: end-to-end, takes minutes")
+    become_subreaper()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,3 +44,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen2 causal LM + tokenizer folder, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), TinyModelSpec())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    if fixturedef.scope != "session":
+        return (yield)
+    before = descendants()
+    result = yield
+    request.config.stash.setdefault(_SESSION_OWNED, set()).update(descendants() - before)
+    return result
+
+
+def _check_leftovers(before, what: str) -> None:
+    left = leftovers(before, grace_s=GRACE_S)
+    if left:
+        pytest.fail(f"{what} left {len(left)} process(es) running: " + "; ".join(map(str, left)), False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftover_processes_after_the_session():
+    before = descendants()
+    yield
+    _check_leftovers(before, "the session's shared fixtures")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_processes_after_the_module(request: pytest.FixtureRequest):
+    before = descendants()
+    yield
+    owned = request.config.stash.get(_SESSION_OWNED, set())
+    _check_leftovers(before | owned, f"module {request.module.__name__}'s fixtures")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(request: pytest.FixtureRequest):
+    before = descendants()
+    yield
+    _check_leftovers(before, "the test")

@@ -205,8 +205,9 @@ def run_command(
     train_items, eval_items = load_examples(
         cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin
     )
+    steps = total_steps(cfg, len(train_items))
+    setup.check_resume(total_steps=steps, data_size=len(train_items))
     with setup.start() as r:
-        steps = total_steps(cfg, len(train_items))
         groups = _start_groups(cfg, r, role=role, steps=steps)
         layouts = {"model": groups.model.layouts()}
         objective = make_objective(groups)
@@ -240,8 +241,10 @@ def run_command(
 def _export(cfg: OfflineConfig, r: Run, model: LearnerGroup, tracker: Any, layouts: dict) -> OfflineResult:
     """The final model (and the LoRA adapter alone, when there is one), the curve and the summary."""
     final, adapter = r.run_dir / "final_model", r.run_dir / "final_adapter"
-    model.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
-    has_adapter = model.export_adapter(directory=str(adapter))
+    with r.exporting(final.name) as tmp:
+        model.export(directory=str(tmp), tokenizer_path=str(r.model_dir), options=cfg.export.options())
+    with r.exporting(adapter.name) as tmp:
+        has_adapter = model.export_adapter(directory=str(tmp))
     summary = tracker.close()
     return OfflineResult(
         run_dir=r.run_dir,

@@ -14,6 +14,7 @@ from typing import Any
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.run import data_parallel_size
 from rlhf_cli.runtime.cluster import PlacementGroups
+from rlhf_cli.runtime.failures import Stops
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
 from rlhf_cli.runtime.placement import Plan
 from rlhf_cli.runtime.specs import GroupSpec, group_strategy
@@ -27,8 +28,6 @@ WORKER_EXTENSION = {
     "transformers": "rlhf_weightsync.module_ext.ModuleWeightSyncExtension",
 }
 """The weight-sync worker extension each rollout backend mixes into its workers."""
-
-Stops = Callable[[Callable[[], None]], None]
 
 
 @dataclass(kw_only=True)
@@ -171,8 +170,8 @@ def _start_engines(
         asynchronous=asynchronous and cfg.rollout.backend == "vllm",
         cpu_cores=_engine_cores(eg.cores, cfg.vllm.num_engines, plan.resources.nodes),
     )
-    for h in handles:
-        stop_at_exit(lambda h=h: _stop_engine(h))
+    for i, h in enumerate(handles):
+        stop_at_exit(lambda h=h: _stop_engine(h), actors={h._actor_id.hex(): f"rollout engine {i}"})
     return EngineClient(
         handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size, timeout_s=cfg.ray.timeout_s
     )

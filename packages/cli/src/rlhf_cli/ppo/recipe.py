@@ -120,6 +120,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)
+    setup.check_resume(total_steps=cfg.train.num_steps, data_size=len(train_set.token_ids))
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
     with setup.start() as r:
         r.stop_at_exit(executors.close)  # an OpenAI-API agent's server; nothing for the others
@@ -184,7 +185,8 @@ def _evaluated(cfg: PPOConfig, rollouts: RolloutPipeline, make_executor, eval_se
 def _finish(cfg: PPOConfig, r: Run, c: Components, tracker: Any) -> PPOResult:
     """Export the actor, draw the curve, summarise."""
     final = r.run_dir / "final_model"
-    c.actor.export(directory=str(final), tokenizer_path=str(r.model_dir), options=cfg.export.options())
+    with r.exporting(final.name) as tmp:
+        c.actor.export(directory=str(tmp), tokenizer_path=str(r.model_dir), options=cfg.export.options())
     summary = tracker.close()
     layouts = {name: g.layouts() for name, g in c.groups().items()}
     return PPOResult(

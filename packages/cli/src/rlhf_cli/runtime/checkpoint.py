@@ -18,10 +18,12 @@ from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.runtime.group import LearnerGroup
 
 __all__ = [
+    "RunFinished",
     "RunState",
     "check_resumable",
     "latest_checkpoint",
     "load_checkpoint",
+    "read_run_state",
     "resumable_changes",
     "save_checkpoint",
 ]
@@ -113,15 +115,57 @@ def save_checkpoint(
     return final
 
 
+class RunFinished(Exception):
+    """``--ckpt.load_enable`` found the checkpoint of the run's last step and its final model: there is
+    nothing to do (the message says so)."""
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint (``latest``'s, else the newest complete ``step_*``), or None."""
+    """The checkpoint ``latest`` names (written after the checkpoint was complete), else the newest
+    complete ``step_*`` (a run killed between the two writes, or ``latest``'s folder deleted to go back),
+    or None. Half-written ones (``.tmp-*``) are never taken; one that ``latest`` names but that lost its
+    ``run_state.json`` is refused, naming the file."""
     pointer = root / "latest"
     if pointer.is_file():
         path = root / pointer.read_text().strip()
-        if (path / STATE_FILE).is_file():
+        if path.is_dir():
+            if not (path / STATE_FILE).is_file():
+                raise ValueError(f"--ckpt.load_enable: {path / STATE_FILE} is missing; {_damaged(path)}")
             return path
     complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
     return complete[-1] if complete else None
+
+
+def _damaged(path: Path) -> str:
+    return f"the checkpoint is damaged (delete {path} to resume from an earlier one)"
+
+
+def read_run_state(path: Path) -> RunState:
+    """The checkpoint's ``run_state.json``, checked (a field missing, of the wrong type or negative is
+    refused in one line naming the file and the field)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    file = path / STATE_FILE
+    try:
+        text = file.read_text()
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--ckpt.load_enable: {file} is not JSON ({err}); {_damaged(path)}") from None
+    cursor = raw.get("cursor") if isinstance(raw, dict) else None
+    needed = [k for k in ("step", "weight_version", "cursor") if not isinstance(raw, dict) or k not in raw]
+    needed += [f"cursor.{k}" for k in ("epoch", "index") if isinstance(cursor, dict) and k not in cursor]
+    if needed:  # never a default: a data position of 0 would silently restart the data
+        raise ValueError(f"--ckpt.load_enable: {file}: {needed[0]}: missing; {_damaged(path)}")
+    try:
+        state = TypeAdapter(RunState).validate_json(text, strict=True)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ValueError(f"--ckpt.load_enable: {file}: {where}: {first['msg']}; {_damaged(path)}") from None
+    cursor = state.cursor
+    if min(state.step, state.weight_version, cursor.epoch, cursor.index) < 0:
+        raise ValueError(f"--ckpt.load_enable: {file}: a step, version or data position is negative")
+    return state
 
 
 def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
@@ -134,12 +178,11 @@ def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RE
 
 
 def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:
-    raw = json.loads((path / STATE_FILE).read_text())
+    state = read_run_state(path)
     for role, group in groups.items():
         if not (path / role).is_dir():
             raise ValueError(
                 f"checkpoint {path} has no state for the {role} group (was it saved with another setup?)"
             )
         group.load(directory=str(path / role), tag="state")
-    raw["cursor"] = PromptCursor(**raw["cursor"])
-    return RunState(**raw)
+    return state

@@ -4,11 +4,11 @@ placement groups of a plan (each one's removal registered with the run the momen
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlhf_cli.config import OfflineConfig, PPOConfig
+from rlhf_cli.runtime.failures import Stops
 
 if TYPE_CHECKING:
     from rlhf_cli.runtime.placement import Plan
@@ -155,7 +155,7 @@ def placement_groups(
     plan: Plan,
     *,
     timeout_s: float,
-    stop_at_exit: Callable[[Callable[[], None]], None],
+    stop_at_exit: Stops,
     skip: tuple[str, ...] = (),
 ) -> PlacementGroups:
     """One placement group per group (except ``skip``), PACKed (a group's ranks close together); colocated

@@ -1,21 +1,82 @@
-"""Failures of a learner rank told in one line that names where in the run they happened."""
+"""Failures told in one line that names what failed and where in the run: a non-finite loss on a learner
+rank, a Ray actor (learner rank, rollout engine) that died. And the waits that notice a death at once."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
-from rlhf_learner import NonFiniteLossError
+__all__ = ["ActorDiedError", "Stops", "dead_actor", "describe_death", "get_all", "naming_nonfinite"]
 
-__all__ = ["naming_nonfinite"]
+
+class Stops(Protocol):
+    """Registers a started thing with the run: its stop (called when the run ends, however it ends) and
+    the names of its Ray actors (actor id -> e.g. ``"the actor group's rank 0"``), so a death is named."""
+
+    def __call__(self, stop: Callable[[], None], /, *, actors: Mapping[str, str] | None = None) -> None: ...
+
+
+class ActorDiedError(RuntimeError):
+    """A learner rank or an engine died (its process was killed, crashed or its node was lost)."""
 
 
 @contextlib.contextmanager
 def naming_nonfinite(where: str) -> Iterator[None]:
     """A non-finite loss raised by a rank (through Ray or not) as ``NonFiniteLossError("{where}: ...")``,
     one line; the rank's own message names the micro-batch."""
+    from rlhf_learner import NonFiniteLossError
+
     try:
         yield
     except NonFiniteLossError as err:
         cause = getattr(err, "cause", None) or err  # a Ray task error carries the rank's own exception
         raise NonFiniteLossError(f"{where}: {str(cause).splitlines()[0]}") from None
+
+
+def get_all(refs: list[Any], *, timeout_s: float) -> list[Any]:
+    """``ray.get(refs)`` that fails as soon as any of them fails (a dead rank's error is raised at once,
+    not after its peers' collectives time out waiting for it), within ``timeout_s`` in all."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    results: dict[Any, Any] = {}
+    waiting = list(refs)
+    while waiting:
+        left = deadline - time.monotonic()
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(left, 0.0), fetch_local=False)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(
+                f"{len(waiting)} of {len(refs)} calls did not finish within {timeout_s} s"
+            )
+        results[ready[0]] = ray.get(ready[0])  # raises the call's error (or its actor's death) now
+    return [results[r] for r in refs]
+
+
+def dead_actor(err: BaseException) -> BaseException | None:
+    """The Ray actor death behind ``err`` (``err`` itself, or in its causes), else None."""
+    from ray.exceptions import RayActorError
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, RayActorError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def describe_death(err: BaseException, names: Mapping[str, str]) -> str:
+    """One line: which of the run's actors died (``names``: actor id -> name), its process and node, and
+    why, as Ray tells it."""
+    text = " ".join(str(err).split())
+    fields = dict(re.findall(r"\b(class_name|actor_id|pid|ip): (\S+)", text))
+    actor_id = getattr(err, "actor_id", None) or fields.get("actor_id")
+    who = names.get(str(actor_id)) or fields.get("class_name") or "a Ray actor of the run"
+    where = [fields.get("class_name"), fields.get("pid") and f"pid {fields['pid']}"]
+    where.append(fields.get("ip") and f"on {fields['ip']}")
+    detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text) or re.search(r"^(.*?\.)(?: |$)", text)
+    why = detail.group(1) if detail else type(err).__name__
+    return f"{who} died ({', '.join(w for w in where if w)}): {why}"

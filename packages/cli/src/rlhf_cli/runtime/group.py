@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from rlhf_cli.runtime.failures import Stops, get_all
 from rlhf_cli.runtime.specs import (
     DPOSettings,
     ExportOptions,
@@ -77,9 +78,14 @@ class LearnerGroup:
         return int(counts[0])
 
     def _get(self, refs: Any) -> Any:
-        import ray
+        """Every rank's result; a rank's failure (or death) is raised at once."""
+        if isinstance(refs, list):
+            return get_all(refs, timeout_s=self.timeout_s)
+        return get_all([refs], timeout_s=self.timeout_s)[0]
 
-        return ray.get(refs, timeout=self.timeout_s)
+    def actor_names(self, name: str) -> dict[str, str]:
+        """Each rank's Ray actor id -> ``"the {name} group's rank {r}"``."""
+        return {w._actor_id.hex(): f"the {name} group's rank {r}" for r, w in enumerate(self.workers)}
 
     def _all(self, call: Callable[[Any], Any]) -> list[Any]:
         """``call(worker)`` on every rank at once; every rank's result, in rank order."""
@@ -247,7 +253,7 @@ def launch_groups(
     pgs: PlacementGroups,
     *,
     timeout_s: float,
-    stop_at_exit: Callable[[Callable[[], None]], None],
+    stop_at_exit: Stops,
 ) -> dict[str, LearnerGroup]:
     """Create each group's ranks on its placement group and start their set-up, all groups in parallel
     (``wait_setup`` collects them, so other work, e.g. starting engines, overlaps it). Each group's stop
@@ -267,7 +273,7 @@ def launch_groups(
             timeout_s=timeout_s,
             env_vars=env | worker_env(),  # a thread count the user exported wins
         )
-        stop_at_exit(groups[name].shutdown)
+        stop_at_exit(groups[name].shutdown, actors=groups[name].actor_names(name))
         groups[name].start_setup()
     return groups
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,12 @@ from typing import Any
 from rlhf_cli.config import OfflineConfig, PPOConfig, dump_yaml
 from rlhf_cli.runtime.checkpoint import (
     RESUMABLE_CHANGES,
+    RunFinished,
     RunState,
     check_resumable,
     latest_checkpoint,
     load_checkpoint,
+    read_run_state,
     save_checkpoint,
 )
 from rlhf_cli.runtime.cluster import ClusterResources, local_resources, start_ray
@@ -100,8 +103,8 @@ class Run:
     def ckpt_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def stop_at_exit(self, stop: Callable[[], None]) -> None:
-        self.session.stop_at_exit(stop)
+    def stop_at_exit(self, stop: Callable[[], None], /, *, actors: Mapping[str, str] | None = None) -> None:
+        self.session.stop_at_exit(stop, actors=actors)
 
     def resume(self, groups: dict[str, Any], fresh: RunState) -> RunState:
         """The checkpoint's state loaded into ``groups``, or ``fresh`` when there is none."""
@@ -127,6 +130,17 @@ class Run:
         self.session.tracker = tracker
         return tracker
 
+    @contextlib.contextmanager
+    def exporting(self, name: str) -> Iterator[Path]:
+        """A temporary folder to export ``run_dir/name`` into, renamed to it once complete: a run killed
+        while exporting leaves nothing half-written under the real name."""
+        final, tmp = self.run_dir / name, self.run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        yield tmp
+        if tmp.exists():  # (an export with nothing to write, e.g. no adapter, makes no folder)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+
     def checkpoint(self, state: RunState, groups: dict[str, Any]) -> None:
         """Save when ``--ckpt.save_steps`` says this step is due."""
         every = self.cfg.ckpt.save_steps
@@ -144,7 +158,31 @@ class RunSetup:
     run_dir: Path
     model_dir: Path
     resume_from: Path | None
+    resume_state: RunState | None
+    """``resume_from``'s ``run_state.json``, read and checked before anything starts."""
     plan_for: PlanFn
+
+    def check_resume(self, *, total_steps: int, data_size: int) -> None:
+        """Before start-up: the checkpoint's data position lies within the data (else the data changed
+        since), and :class:`RunFinished` when it holds the last step and the final model is there (a run
+        killed after its last checkpoint but before its export only exports)."""
+        state = self.resume_state
+        if state is None:
+            return
+        if state.cursor.index > data_size:
+            raise ValueError(
+                f"--ckpt.load_enable: {self.resume_from / 'run_state.json'}: cursor.index "
+                f"{state.cursor.index} is past the {data_size} training examples: the data changed since"
+            )
+        if state.step < total_steps:
+            return
+        final = self.run_dir / "final_model"
+        if (final / "config.json").is_file():
+            raise RunFinished(
+                f"{self.run_dir} is finished: its checkpoint {self.resume_from} holds the last step "
+                f"({state.step} of {total_steps}); nothing to train (final model: {final})"
+            )
+        print(f"--ckpt.load_enable: {self.resume_from} is the last step: exporting only", file=sys.stderr)
 
     @contextlib.contextmanager
     def start(self) -> Iterator[Run]:
@@ -174,8 +212,10 @@ def prepare_run(
     run_dir = Path(cfg.logger.run_dir)
     ckpt_root = run_dir / "checkpoints"
     found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
+    state = None
     if found is not None:
         check_resumable(found, cfg.model_dump(mode="json"), resumable=resumable)
+        state = read_run_state(found)
     elif cfg.ckpt.load_enable:
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,4 +223,11 @@ def prepare_run(
     model_dir = resolve_model(pretrain, run_dir)
     if not _joins_cluster(cfg):
         plan_for(local_resources(cfg), model_sizes(cfg, model_dir))  # a plan that cannot fit fails first
-    return RunSetup(cfg=cfg, run_dir=run_dir, model_dir=model_dir, resume_from=found, plan_for=plan_for)
+    return RunSetup(
+        cfg=cfg,
+        run_dir=run_dir,
+        model_dir=model_dir,
+        resume_from=found,
+        resume_state=state,
+        plan_for=plan_for,
+    )

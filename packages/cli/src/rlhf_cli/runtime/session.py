@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlhf_cli.config import OfflineConfig, PPOConfig
 from rlhf_cli.runtime.cluster import ClusterResources, start_ray
+from rlhf_cli.runtime.failures import ActorDiedError, dead_actor, describe_death
 from rlhf_cli.runtime.tracking import Tracker
 
 __all__ = ["RunSession", "run_session"]
@@ -20,11 +22,15 @@ class RunSession:
     """What the cluster offers (the placement plan is made against it)."""
     tracker: Tracker | None = None
     """Set once logging has started: stopped with ``failed=True`` if the run fails."""
+    actor_names: dict[str, str] = field(default_factory=dict)
+    """Ray actor id -> what it is in the run (``"the actor group's rank 0"``, ``"rollout engine 1"``)."""
     _stops: list[Callable[[], None]] = field(default_factory=list)
 
-    def stop_at_exit(self, stop: Callable[[], None]) -> None:
-        """Call ``stop`` when the run ends, successfully or not (last registered, first called)."""
+    def stop_at_exit(self, stop: Callable[[], None], /, *, actors: Mapping[str, str] | None = None) -> None:
+        """Call ``stop`` when the run ends, successfully or not (last registered, first called); ``actors``
+        names the thing's Ray actors, for the error if one dies."""
         self._stops.append(stop)
+        self.actor_names.update(actors or {})
 
 
 @contextlib.contextmanager
@@ -32,18 +38,22 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
     """Start or join Ray (``start_ray``) for the body. On the way out, however the body ends: a failed
     run's tracker is stopped first (what was logged stays), then every registered stop runs (last
     first; one that fails does not skip the others), then Ray is shut down if this run started it.
-    The body's own error is what propagates; a stop's error does when the body succeeded."""
+    The body's own error is what propagates (a dead actor's as :class:`ActorDiedError`, one line naming
+    it and the checkpoint to resume from); a stop's error does when the body succeeded."""
     resources, started_ray = start_ray(cfg)
     session = RunSession(resources=resources)
     body_failed = True
     try:
         yield session
         body_failed = False
-    except BaseException:
+    except BaseException as err:
         if session.tracker is not None:
             with contextlib.suppress(Exception):  # the stops and Ray are stopped regardless
                 session.tracker.stop(failed=True)
-        raise
+        died = dead_actor(err)
+        if died is None:
+            raise
+        raise ActorDiedError(f"{describe_death(died, session.actor_names)}; {_resume_hint(cfg)}") from err
     finally:
         stops = list(reversed(session._stops))
         if started_ray:
@@ -55,6 +65,15 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
             raise errors[0]
         for err in errors:
             print(f"while stopping the failed run: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def _resume_hint(cfg: PPOConfig | OfflineConfig) -> str:
+    from rlhf_cli.runtime.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(Path(cfg.logger.run_dir) / "checkpoints")
+    if found is None:
+        return "no checkpoint to resume from yet (--ckpt.save_steps)"
+    return f"rerun with --ckpt.load_enable to resume from {found}"
 
 
 def _run_all(calls: list[Callable[[], None]]) -> list[Exception]:

@@ -127,7 +127,14 @@ class Tracker:
     def _load(self, resume_step: int) -> list[dict]:
         if not resume_step or not self.path.is_file():
             return []
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = []
+        lines = self.path.read_text(errors="replace").splitlines()
+        for n, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if n < len(lines) or not rows:  # only the last line may be torn (killed mid-write)
+                    raise ValueError(f"{self.path}, line {n}: not JSON; the metrics log is damaged") from None
         return [r for r in rows if r.get("step", 0) <= resume_step]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

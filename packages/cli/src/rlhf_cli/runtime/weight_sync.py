@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_cli.runtime.failures import get_all
 from rlhf_cli.runtime.group import LearnerGroup
 
 __all__ = ["EngineWeightSync", "SyncReport"]
@@ -36,17 +37,15 @@ class EngineWeightSync:
         hosting = actor.start_weight_sync(
             transport=transport, master_addr=addr, master_port=port, world_size=world, timeout_s=timeout_s
         )
-        ray.get(joining + hosting, timeout=timeout_s)
+        get_all(joining + hosting, timeout_s=timeout_s)
         self.version = 0
 
     def push(self, *, version: int) -> SyncReport:
         """Send the actor's current weights as ``version`` and wait until every engine loaded them."""
-        import ray
-
         t0 = time.perf_counter()
         receiving = self.engines.receive_weights(timeout_s=self.timeout_s)
         sending = self.actor.start_send_weights(version=version)
-        sent = ray.get(sending + receiving, timeout=self.timeout_s)[0]  # rank 0's SyncStats
+        sent = get_all(sending + receiving, timeout_s=self.timeout_s)[0]  # rank 0's SyncStats
         self.version = version
         return SyncReport(version=version, seconds=time.perf_counter() - t0, num_bytes=sent.num_bytes)
 

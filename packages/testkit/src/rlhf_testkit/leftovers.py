@@ -1,0 +1,80 @@
+"""Processes a test leaves behind. The test process becomes a child subreaper (Linux), so a descendant whose
+parent dies (a vLLM engine core after its actor was killed, a daemon that forked away) is re-parented to
+it rather than to init: every process a test started stays in view, orphans included, and can be counted
+once the test is done."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+__all__ = ["LONG_LIVED", "ProcessKey", "become_subreaper", "descendants", "leftovers", "reap_zombies"]
+
+PR_SET_CHILD_SUBREAPER = 36
+
+LONG_LIVED = ("ray::IDLE", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Command-line parts of processes that live as long as what pooled them (a Ray node's idle workers, the
+interpreter's own helpers), not as long as a test."""
+
+
+@dataclass(frozen=True)
+class ProcessKey:
+    """A process, told apart from a later one that reuses its pid."""
+
+    pid: int
+    started: float
+    command: str
+
+    def __str__(self) -> str:
+        return f"{self.pid} {self.command[:120]!r}"
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants; False where the OS has no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def descendants() -> set[ProcessKey]:
+    """This process's living descendants (zombies left out)."""
+    found = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.add(ProcessKey(p.pid, p.create_time(), " ".join(p.cmdline()) or p.name()))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def reap_zombies() -> None:
+    """Collect the exit status of finished children (orphans re-parented here have no one else to)."""
+    for p in psutil.Process().children():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            continue
+
+
+def leftovers(before: set[ProcessKey], *, grace_s: float) -> list[ProcessKey]:
+    """Descendants that were not in ``before`` and are not :data:`LONG_LIVED`, after waiting up to
+    ``grace_s`` for them to exit (a killed actor's process takes a moment to go)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        reap_zombies()
+        left = sorted(
+            (p for p in descendants() - before if not any(s in p.command for s in LONG_LIVED)),
+            key=lambda p: p.pid,
+        )
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

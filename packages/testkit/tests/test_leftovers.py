@@ -1,0 +1,31 @@
+"""The leftover-process check: an orphan (its parent exited) is re-parented to the test process and
+reported with its command; once it is gone nothing is; long-lived pool processes are not reported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import psutil
+from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
+
+
+def test_an_orphan_is_reparented_here_and_reported_until_it_is_gone():
+    assert become_subreaper()
+    before = descendants()
+    subprocess.run(["sh", "-c", "sleep 120 >/dev/null 2>&1 &"], check=True)
+    (orphan,) = leftovers(before, grace_s=0.0)
+    assert orphan.command == "sleep 120"
+    assert psutil.Process(orphan.pid).ppid() == os.getpid()  # not init's: its parent shell has exited
+    psutil.Process(orphan.pid).kill()
+    assert leftovers(before, grace_s=5.0) == []  # killed, reaped, gone
+
+
+def test_pooled_processes_are_not_leftovers():
+    before = descendants()
+    proc = subprocess.Popen(["python3", "-c", "import time; time.sleep(120)", "ray::IDLE"])
+    try:
+        assert leftovers(before, grace_s=0.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
