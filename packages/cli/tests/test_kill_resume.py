@@ -4,7 +4,7 @@ session's Ray cluster with ``--ray.address``), killed with SIGKILL at random ste
 - the driver, mid-run;
 - the driver and the learner rank while a checkpoint is being written;
 - a learner rank's process (the run ends within a minute, in one line naming the rank);
-- a rollout engine's process (likewise, naming the engine).
+- a rollout engine's process, mid-generation and again mid-weight-sync (likewise, naming the engine).
 
 Every resume (``--ckpt.load_enable``) continues from the newest complete checkpoint (the half-written one
 is left alone), and the last one ends with the final weights and the logged metrics of an uninterrupted
@@ -149,6 +149,22 @@ def kill_worker(d: Driver, kind: str) -> float:
     return time.monotonic()
 
 
+def freeze_in_call(d: Driver, p: psutil.Process, method: str) -> None:
+    """SIGSTOP the Ray actor process ``p`` while it runs ``method`` (Ray titles a worker
+    ``ray::<Class>.<method>`` during a call): at each such title seen it is frozen, and thawed again if
+    the call had ended meanwhile."""
+
+    def title() -> str:
+        return " ".join(p.cmdline())
+
+    while True:
+        d.wait_for(lambda: f".{method}" in title(), f"a call to {method}", poll=0.0005)
+        p.send_signal(signal.SIGSTOP)
+        if f".{method}" in title():
+            return
+        p.send_signal(signal.SIGCONT)
+
+
 def assert_died_naming(d: Driver, killed_at: float, name: str) -> None:
     rc, _, err = d.finish(timeout=120)
     took = time.monotonic() - killed_at
@@ -246,7 +262,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(sft_flags, tmp_path):
 
 # ---- rlhf ppo ------------------------------------------------------------------------------------------
 
-PPO_STEPS = 8
+PPO_STEPS = 10
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +278,7 @@ def ppo_flags(demo_model_dir) -> list[str]:
     ]
 
 
-def test_ppo_killed_at_the_driver_and_the_engine_ends_as_an_uninterrupted_run(
+def test_ppo_killed_at_the_driver_and_the_engine_twice_ends_as_an_uninterrupted_run(
     rng, address, ppo_flags, tmp_path
 ):
     whole = recipe.run(build_config(PPOConfig, [*ppo_flags, "--logger.run_dir", str(tmp_path / "whole")]))
@@ -273,11 +289,16 @@ def test_ppo_killed_at_the_driver_and_the_engine_ends_as_an_uninterrupted_run(
     d.kill()
 
     resume = [*ppo_flags, "--ckpt.load_enable"]
-    d = Driver("ppo", resume, address, run_dir)  # 2. the engine's process, after a step of the resume
-    d.wait_steps(int((run_dir / "checkpoints" / "latest").read_text()[-6:]) + 1)
-    assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
+    latest = run_dir / "checkpoints" / "latest"
+    # 2. and 3. the engine, frozen in a generation, then in a weight sync, and killed there
+    for method in ("generate", "receive_weights"):
+        d = Driver("ppo", resume, address, run_dir)
+        d.wait_steps(int(latest.read_text()[-6:]) + 1)
+        (engine,) = ray_workers("EngineActor", d.started)
+        freeze_in_call(d, engine, method)
+        assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
 
-    rc, _, err = Driver("ppo", resume, address, run_dir).finish()  # 3. to the end
+    rc, _, err = Driver("ppo", resume, address, run_dir).finish()  # 4. to the end
     assert rc == 0, err[-3000:]
     assert training_metrics(run_dir) == training_metrics(whole.run_dir)
     same_weights(run_dir / "final_model", whole.final_model)

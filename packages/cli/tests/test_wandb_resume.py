@@ -3,6 +3,7 @@ offline mode: nothing leaves the machine)."""
 
 from __future__ import annotations
 
+import pytest
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.runtime.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhf_cli.runtime.tracking import Tracker
@@ -14,7 +15,16 @@ def tracker(run_dir, **kw) -> Tracker:
     )
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_service():
+    """W&B's service process (``wandb-core``, started by the first ``wandb.init``) stopped afterwards."""
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, wandb_service):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     first = tracker(tmp_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 
 import psutil
 from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
@@ -14,16 +16,19 @@ def test_an_orphan_is_reparented_here_and_reported_until_it_is_gone():
     assert become_subreaper()
     before = descendants()
     subprocess.run(["sh", "-c", "sleep 120 >/dev/null 2>&1 &"], check=True)
+    deadline = time.monotonic() + 30
+    while [p.command for p in leftovers(before, grace_s=0.0)] != ["sleep 120"]:  # until it has exec'd
+        assert time.monotonic() < deadline, leftovers(before, grace_s=0.0)
+        time.sleep(0.01)
     (orphan,) = leftovers(before, grace_s=0.0)
-    assert orphan.command == "sleep 120"
     assert psutil.Process(orphan.pid).ppid() == os.getpid()  # not init's: its parent shell has exited
     psutil.Process(orphan.pid).kill()
-    assert leftovers(before, grace_s=5.0) == []  # killed, reaped, gone
+    assert leftovers(before, grace_s=5.0) == []  # killed: a zombie, not a running process
 
 
 def test_pooled_processes_are_not_leftovers():
     before = descendants()
-    proc = subprocess.Popen(["python3", "-c", "import time; time.sleep(120)", "ray::IDLE"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "ray::IDLE"])
     try:
         assert leftovers(before, grace_s=0.0) == []
     finally:

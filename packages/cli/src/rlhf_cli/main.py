@@ -79,8 +79,7 @@ def _config_command(
     """The shared front of every configured command: --help, --config + dotted flags, --print-config,
     --dry-run, then ``execute(cfg)``; errors become one line and exit status 2."""
     from rlhf_cli.config import ConfigError, build_config, dump_yaml
-    from rlhf_cli.runtime.checkpoint import RunFinished
-    from rlhf_cli.runtime.failures import ActorDiedError  # (imports nothing heavy)
+    from rlhf_cli.runtime.failures import ActorDiedError, RunFinished  # (imports nothing heavy)
 
     opts, flags = _split_options(list(ctx.args))
     if opts["help"]:

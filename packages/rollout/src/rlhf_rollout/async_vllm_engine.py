@@ -39,15 +39,12 @@ class AsyncVLLMEngine(VLLMOptions):
     :class:`~rlhf_rollout.vllm_engine.VLLMEngine`; sleep mode is GPU only, as there.
     """
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._ids = itertools.count()
-        self._labelled = False  # the weights read at start-up are labelled version 0 on first use
-
     def _start(self, kwargs: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._ids = itertools.count()
+        self._labelled = False  # the weights read at start-up are labelled version 0 on first use
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         return self._llm.model_config
 

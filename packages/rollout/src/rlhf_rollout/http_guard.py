@@ -14,15 +14,18 @@ class HTTPGuard:
     """ASGI middleware. With ``token`` set, a request whose ``Authorization`` header is not exactly
     ``Bearer <token>`` gets 401 (compared in constant time). A body over ``max_body_bytes`` gets 413
     before the app reads any of it (by ``Content-Length``, or while a chunked body arrives).
-    ``limit_hint`` names the setting in the 413 message (e.g. the flag that raises it)."""
+    ``limit_hint`` names the setting in the 413 message (e.g. the flag that raises it). Only HTTP is
+    guarded: the apps behind it serve no WebSockets."""
 
     def __init__(
         self, app: Any, *, token: str | None, max_body_bytes: int, limit_hint: str = "max_body_bytes"
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if token is not None and not token.strip():
+            raise ValueError("token is empty: give a token, or None for no authentication")
         self.app, self.max_body_bytes, self.limit_hint = app, max_body_bytes, limit_hint
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._expected = f"Bearer {token}".encode() if token is not None else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -19,6 +19,9 @@ from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
 GRACE_S = 30.0
 _SESSION_OWNED = pytest.StashKey[set]()
 """Processes that session-wide fixtures started (a Ray cluster): they outlive modules by design."""
+_SHARED = pytest.StashKey[set]()
+"""Processes that session- or module-wide fixtures started: they outlive tests by design (a test may set
+such a fixture up late, e.g. through ``request.getfixturevalue``)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,11 +51,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
-    if fixturedef.scope != "session":
+    if fixturedef.scope == "function":
         return (yield)
     before = descendants()
     result = yield
-    request.config.stash.setdefault(_SESSION_OWNED, set()).update(descendants() - before)
+    started = descendants() - before
+    request.config.stash.setdefault(_SHARED, set()).update(started)
+    if fixturedef.scope == "session":
+        request.config.stash.setdefault(_SESSION_OWNED, set()).update(started)
     return result
 
 
@@ -81,4 +87,4 @@ def _no_leftover_processes_after_the_module(request: pytest.FixtureRequest):
 def _no_leftover_processes(request: pytest.FixtureRequest):
     before = descendants()
     yield
-    _check_leftovers(before, "the test")
+    _check_leftovers(before | request.config.stash.get(_SHARED, set()), "the test")

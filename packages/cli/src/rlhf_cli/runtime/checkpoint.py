@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rlhf_cli.config.loading import flat_items
 from rlhf_cli.data.prompts import PromptCursor
+from rlhf_cli.runtime.failures import RunFinished
 from rlhf_cli.runtime.group import LearnerGroup
 
 __all__ = [
@@ -115,11 +116,6 @@ def save_checkpoint(
     return final
 
 
-class RunFinished(Exception):
-    """``--ckpt.load_enable`` found the checkpoint of the run's last step and its final model: there is
-    nothing to do (the message says so)."""
-
-
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``latest`` names (written after the checkpoint was complete), else the newest
     complete ``step_*`` (a run killed between the two writes, or ``latest``'s folder deleted to go back),
@@ -182,7 +178,7 @@ def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:
     for role, group in groups.items():
         if not (path / role).is_dir():
             raise ValueError(
-                f"checkpoint {path} has no state for the {role} group (was it saved with another setup?)"
+                f"--ckpt.load_enable: {path} has no state for the {role} group; {_damaged(path)}"
             )
         group.load(directory=str(path / role), tag="state")
     return state

@@ -9,7 +9,15 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-__all__ = ["ActorDiedError", "Stops", "dead_actor", "describe_death", "get_all", "naming_nonfinite"]
+__all__ = [
+    "ActorDiedError",
+    "RunFinished",
+    "Stops",
+    "dead_actor",
+    "describe_death",
+    "get_all",
+    "naming_nonfinite",
+]
 
 
 class Stops(Protocol):
@@ -21,6 +29,11 @@ class Stops(Protocol):
 
 class ActorDiedError(RuntimeError):
     """A learner rank or an engine died (its process was killed, crashed or its node was lost)."""
+
+
+class RunFinished(Exception):
+    """``--ckpt.load_enable`` found the checkpoint of the run's last step and its final model: there is
+    nothing to do (the message says so)."""
 
 
 @contextlib.contextmanager
@@ -51,20 +64,39 @@ def get_all(refs: list[Any], *, timeout_s: float) -> list[Any]:
             raise ray.exceptions.GetTimeoutError(
                 f"{len(waiting)} of {len(refs)} calls did not finish within {timeout_s} s"
             )
-        results[ready[0]] = ray.get(ready[0])  # raises the call's error (or its actor's death) now
+        try:
+            results[ready[0]] = ray.get(ready[0])  # raises the call's error (or its actor's death) now
+        except Exception as err:
+            if dead_actor(err) is None:  # a peer of a dead actor may fail first: name the death
+                _raise_a_death_among(waiting, within_s=2.0, cause=err)
+            raise
     return [results[r] for r in refs]
 
 
-def dead_actor(err: BaseException) -> BaseException | None:
-    """The Ray actor death behind ``err`` (``err`` itself, or in its causes), else None."""
+def _raise_a_death_among(refs: list[Any], *, within_s: float, cause: BaseException) -> None:
+    """Raise the first actor death among ``refs`` that shows within ``within_s`` (chained to ``cause``)."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within_s, fetch_local=False)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as err:
+            if dead_actor(err) is not None:
+                raise err from cause
+
+
+def dead_actor(err: BaseException | None) -> BaseException | None:
+    """The Ray actor death behind ``err`` (``err`` itself, or in its causes), else None. An actor whose
+    constructor raised is not a death: its own error (with its traceback) is what to show."""
     from ray.exceptions import RayActorError
 
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, RayActorError):
-            return err
+            return None if getattr(err, "actor_init_failed", False) else err
         seen.add(id(err))
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return None
 
 
@@ -79,4 +111,5 @@ def describe_death(err: BaseException, names: Mapping[str, str]) -> str:
     where.append(fields.get("ip") and f"on {fields['ip']}")
     detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text) or re.search(r"^(.*?\.)(?: |$)", text)
     why = detail.group(1) if detail else type(err).__name__
-    return f"{who} died ({', '.join(w for w in where if w)}): {why}"
+    place = ", ".join(w for w in where if w)
+    return f"{who} died{f' ({place})' if place else ''}: {why}"

@@ -19,6 +19,7 @@ from typing import Any
 from rlhf_cli.config import OfflineConfig, PPOConfig, dump_yaml
 from rlhf_cli.runtime.checkpoint import (
     RESUMABLE_CHANGES,
+    STATE_FILE,
     RunFinished,
     RunState,
     check_resumable,
@@ -134,12 +135,15 @@ class Run:
     def exporting(self, name: str) -> Iterator[Path]:
         """A temporary folder to export ``run_dir/name`` into, renamed to it once complete: a run killed
         while exporting leaves nothing half-written under the real name."""
-        final, tmp = self.run_dir / name, self.run_dir / f".{name}.tmp"
+        final, tmp, old = (self.run_dir / n for n in (name, f".{name}.tmp", f".{name}.old"))
         shutil.rmtree(tmp, ignore_errors=True)
         yield tmp
         if tmp.exists():  # (an export with nothing to write, e.g. no adapter, makes no folder)
-            shutil.rmtree(final, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():
+                os.replace(final, old)  # whole until the new one is in place
             os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
 
     def checkpoint(self, state: RunState, groups: dict[str, Any]) -> None:
         """Save when ``--ckpt.save_steps`` says this step is due."""
@@ -171,7 +175,7 @@ class RunSetup:
             return
         if state.cursor.index > data_size:
             raise ValueError(
-                f"--ckpt.load_enable: {self.resume_from / 'run_state.json'}: cursor.index "
+                f"--ckpt.load_enable: {self.resume_from / STATE_FILE}: cursor.index "
                 f"{state.cursor.index} is past the {data_size} training examples: the data changed since"
             )
         if state.step < total_steps:
@@ -180,7 +184,8 @@ class RunSetup:
         if (final / "config.json").is_file():
             raise RunFinished(
                 f"{self.run_dir} is finished: its checkpoint {self.resume_from} holds the last step "
-                f"({state.step} of {total_steps}); nothing to train (final model: {final})"
+                f"({state.step} of {total_steps}); nothing to train (final model: {final}; delete it to "
+                "export again)"
             )
         print(f"--ckpt.load_enable: {self.resume_from} is the last step: exporting only", file=sys.stderr)
 

@@ -46,11 +46,11 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
     try:
         yield session
         body_failed = False
-    except BaseException as err:
+    except BaseException as err:  # Ctrl-C too: the tracker is told the run failed
         if session.tracker is not None:
             with contextlib.suppress(Exception):  # the stops and Ray are stopped regardless
                 session.tracker.stop(failed=True)
-        died = dead_actor(err)
+        died = dead_actor(err) if isinstance(err, Exception) else None
         if died is None:
             raise
         raise ActorDiedError(f"{describe_death(died, session.actor_names)}; {_resume_hint(cfg)}") from err
@@ -70,7 +70,10 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
 def _resume_hint(cfg: PPOConfig | OfflineConfig) -> str:
     from rlhf_cli.runtime.checkpoint import latest_checkpoint
 
-    found = latest_checkpoint(Path(cfg.logger.run_dir) / "checkpoints")
+    try:
+        found = latest_checkpoint(Path(cfg.logger.run_dir) / "checkpoints")
+    except ValueError as err:  # a damaged checkpoint: say so rather than hide the death
+        return str(err)
     if found is None:
         return "no checkpoint to resume from yet (--ckpt.save_steps)"
     return f"rerun with --ckpt.load_enable to resume from {found}"

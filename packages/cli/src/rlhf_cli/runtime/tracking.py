@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,9 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.history = self._load(resume_step)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        kept = self.path.with_name(f".{self.path.name}.tmp")  # a kill while rewriting loses no row
+        kept.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        os.replace(kept, self.path)
         self.tb, self._progress = None, None
         self.wandb, self._wandb_id = None, wandb_id
         if wandb_project:
@@ -130,6 +133,8 @@ class Tracker:
         rows = []
         lines = self.path.read_text(errors="replace").splitlines()
         for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
