@@ -1,5 +1,6 @@
-"""Kill and resume, as users run the commands: ``rlhf sft`` and ``rlhf ppo`` in subprocesses (joined to the
-session's Ray cluster with ``--ray.address``), killed with SIGKILL at random steps:
+"""Kill and resume, as users run the commands: ``rlhf sft`` and ``rlhf ppo`` in subprocesses joined with
+``--ray.address`` to a Ray cluster (the session's for sft; for ppo, a cluster of two nodes started with
+``ray start``, Ray's token authentication on), killed with SIGKILL at random steps:
 
 - the driver, mid-run;
 - the driver and the learner rank while a checkpoint is being written;
@@ -19,20 +20,22 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from rlhf_cli.config import PPOConfig, SFTConfig, build_config
+from rlhf_cli.config import SFTConfig, build_config
 from rlhf_cli.demo import task
 from rlhf_cli.offline import sft
-from rlhf_cli.ppo import recipe
 from rlhf_cli.runtime.checkpoint import RunFinished
+from rlhf_testkit import free_port
 from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
@@ -49,6 +52,64 @@ def rng():
 @pytest.fixture(scope="module")
 def address(ray_cluster) -> str:
     return ray_cluster.get_runtime_context().gcs_address
+
+
+# `ray start` switches Ray's token authentication on; its clients (ray status, the rlhf driver) need the
+# same mode to read the token file Ray keeps. A cluster of several nodes needs
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 (0 refuses a second node).
+CLUSTER_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+def _ray_start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", *args],
+        env=CLUSTER_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _ray_stop(proc: subprocess.Popen, *, graceful: bool) -> None:
+    """SIGTERM (a worker node leaves in a second), or SIGKILL to the node's whole process group (a head
+    takes over 30 s to stop on SIGTERM; every process it started is in its group, and the leftover check
+    would name any that escaped)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def ray_start_cluster(tmp_path_factory):
+    """A head and a second node started with ``ray start`` on 127.0.0.1 (one CPU each); its address."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    nodes = [
+        _ray_start(
+            "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp}"
+        )
+    ]
+    try:
+        status = [str(BIN / "ray"), "status", f"--address={address}"]
+        deadline = time.monotonic() + 120
+        while subprocess.run(status, env=CLUSTER_ENV, capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, "ray head did not come up"
+            time.sleep(1)
+        nodes.append(_ray_start(f"--address={address}", "--num-cpus=1"))
+        while (
+            subprocess.run(status, env=CLUSTER_ENV, capture_output=True, text=True).stdout.count("node_") < 2
+        ):
+            assert time.monotonic() < deadline, "the second ray node did not join"
+            time.sleep(1)
+        yield address
+    finally:
+        for p in reversed(nodes):  # the worker node first, then the head
+            _ray_stop(p, graceful=p is not nodes[0])
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -77,12 +138,14 @@ def ray_workers(kind: str, since: float) -> list[psutil.Process]:
 class Driver:
     """``rlhf <command> <flags> --ray.address <address>`` in a subprocess of its own session."""
 
-    def __init__(self, command: str, flags: list[str], address: str, run_dir: Path) -> None:
+    def __init__(
+        self, command: str, flags: list[str], address: str, run_dir: Path, *, env: dict | None = None
+    ) -> None:
         self.run_dir = run_dir
         self.started = time.time()
         self.proc = subprocess.Popen(
             [str(BIN / "rlhf"), command, *flags, "--ray.address", address, "--logger.run_dir", str(run_dir)],
-            env={**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+            env={**(env or os.environ), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -279,12 +342,16 @@ def ppo_flags(demo_model_dir) -> list[str]:
 
 
 def test_ppo_killed_at_the_driver_and_the_engine_twice_ends_as_an_uninterrupted_run(
-    rng, address, ppo_flags, tmp_path
+    rng, ray_start_cluster, ppo_flags, tmp_path
 ):
-    whole = recipe.run(build_config(PPOConfig, [*ppo_flags, "--logger.run_dir", str(tmp_path / "whole")]))
+    def driver(flags: list[str], run_dir: Path) -> Driver:
+        return Driver("ppo", flags, ray_start_cluster, run_dir, env=CLUSTER_ENV)
+
+    rc, _, err = driver(ppo_flags, tmp_path / "whole").finish()
+    assert rc == 0, err[-3000:]
     run_dir = tmp_path / "killed"
 
-    d = Driver("ppo", ppo_flags, address, run_dir)  # 1. the driver, at a random step
+    d = driver(ppo_flags, run_dir)  # 1. the driver, at a random step
     d.wait_steps(rng.randint(3, 5))
     d.kill()
 
@@ -292,13 +359,15 @@ def test_ppo_killed_at_the_driver_and_the_engine_twice_ends_as_an_uninterrupted_
     latest = run_dir / "checkpoints" / "latest"
     # 2. and 3. the engine, frozen in a generation, then in a weight sync, and killed there
     for method in ("generate", "receive_weights"):
-        d = Driver("ppo", resume, address, run_dir)
+        d = driver(resume, run_dir)
         d.wait_steps(int(latest.read_text()[-6:]) + 1)
         (engine,) = ray_workers("EngineActor", d.started)
         freeze_in_call(d, engine, method)
         assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
 
-    rc, _, err = Driver("ppo", resume, address, run_dir).finish()  # 4. to the end
+    rc, _, err = driver(resume, run_dir).finish()  # 4. to the end
     assert rc == 0, err[-3000:]
-    assert training_metrics(run_dir) == training_metrics(whole.run_dir)
-    same_weights(run_dir / "final_model", whole.final_model)
+    assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
+    same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
+    last = rows(run_dir)[-1]  # the engines held the learner's weights after every sync
+    assert last["sync/weight_version"] == PPO_STEPS + 1 and last["sync/logp_mismatch_max"] < 1e-3

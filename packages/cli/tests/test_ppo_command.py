@@ -1,21 +1,19 @@
-"""``rlhf ppo`` as a user runs it, in a subprocess: README's first command (the built-in demo) and a run
-against a Ray cluster started with ``ray start`` (a head and a second node, on 127.0.0.1)."""
+"""``rlhf ppo`` as a user runs it, in a subprocess: README's first command (the built-in demo). (Runs
+against a cluster started with ``ray start`` are in ``test_kill_resume.py``.)"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from rlhf_testkit import SocketWatcher, free_port
+from rlhf_testkit import SocketWatcher
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -63,97 +61,6 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "final_model" / "model.safetensors").is_file()
     assert "eval/pass_rate" in stdout  # the summary table
-
-
-# `ray start` switches Ray's token authentication on; its clients (ray status, the rlhf driver) need the
-# same mode to read the token file Ray keeps.
-# A cluster of several nodes needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 (0 refuses a second node).
-CLUSTER_ENV = {**ENV, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
-
-
-def _ray(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", *args],
-        env=CLUSTER_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-@pytest.mark.slow
-def test_ppo_joins_a_ray_cluster_started_with_ray_start(tmp_path):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    head = _ray(
-        "--head",
-        f"--port={port}",
-        "--num-cpus=1",
-        "--include-dashboard=false",
-        f"--temp-dir={temp}",
-    )
-    worker = None
-    try:
-        status = [str(BIN / "ray"), "status", f"--address={address}"]
-        deadline = time.monotonic() + 120
-        while subprocess.run(status, env=CLUSTER_ENV, capture_output=True).returncode != 0:
-            assert time.monotonic() < deadline, "ray head did not come up"
-            time.sleep(1)
-        worker = _ray(f"--address={address}", "--num-cpus=1")
-        while (
-            subprocess.run(status, env=CLUSTER_ENV, capture_output=True, text=True).stdout.count("node_") < 2
-        ):
-            assert time.monotonic() < deadline, "the second ray node did not join"
-            time.sleep(1)
-        run_dir = tmp_path / "run"
-        proc = subprocess.run(
-            [
-                str(BIN / "rlhf"),
-                "ppo",
-                "--ray.address",
-                address,
-                "--rollout.backend=transformers",
-                "--train.num_steps",
-                "2",
-                "--train.warmup_sft_steps",
-                "2",
-                "--rollout.batch_size",
-                "4",
-                "--rollout.n_samples_per_prompt",
-                "4",
-                "--train.micro_batch_size",
-                "8",
-                "--eval.every",
-                "0",
-                "--logger.progress",
-                "false",
-                "--logger.run_dir",
-                str(run_dir),
-            ],
-            env=CLUSTER_ENV,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = metrics(run_dir)
-        assert [r["step"] for r in rows] == [1, 2]
-        assert rows[-1]["sync/weight_version"] == 3 and rows[-1]["sync/logp_mismatch_max"] < 1e-3
-    finally:
-        for p in (worker, head):
-            if p is not None:
-                _stop(p)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.gpu
