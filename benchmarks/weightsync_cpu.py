@@ -3,6 +3,11 @@
 Run: uv run python benchmarks/weightsync_cpu.py [--syncs 7] [--bucket-mb N] [--receivers 1] [--threads 1]
      [--receiver-threads N]
      [--methods shm,shm delivery,gloo,gloo delivery,gloo raw,per-param openrlhf,per-param gloo]
+     uv run python benchmarks/weightsync_cpu.py --across-hosts [--syncs 7]   (as root)
+
+``--across-hosts``: the 23M model (``_grpo_work.py``'s ``small``) from a sender on test host A to a
+receiver on test host B over gloo (two network namespaces joined by a veth link,
+``rlhf_testkit.hosts``), against shm from host A to a receiver on host A, one sync of each per round.
 
 A Qwen2-shaped fp32 model of ~50M parameters in 195 tensors (vocab 16000, hidden 640, 16 layers) is
 synced from this process (the sender) to receiver processes, each of which copies every tensor into
@@ -46,6 +51,7 @@ import os
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import _summary
 import torch
@@ -305,6 +311,103 @@ class Method:
         return cpu[0]
 
 
+# ---- across two test hosts (--across-hosts) ----------------------------------------------------------
+
+
+def _enter_host(namespace: str) -> None:
+    """Move this (new, single-threaded) process into a test host's network namespace."""
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    os.setns(fd, os.CLONE_NEWNET)
+    os.close(fd)
+
+
+def host_receiver(namespace: str, transport: str, master: str, port: int, syncs: int, folder: str) -> None:
+    _enter_host(namespace)
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    model = {n: torch.zeros_like(t) for n, t in load_file(f"{folder}/model.safetensors").items()}
+    receiver = WeightReceiver(
+        transport=transport, master_addr=master, master_port=port, rank=1, world_size=2, timeout_s=300
+    )
+    for _ in range(syncs):
+        receiver.receive(copy_into(model))
+    receiver.close()
+
+
+def host_sender(namespace: str, transport: str, master: str, port: int, folder: str, go, done) -> None:
+    """Sends the model once per ``go`` message; puts each sync's wall seconds on ``done``."""
+    _enter_host(namespace)
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    model = load_file(f"{folder}/model.safetensors")
+    sender = WeightSender(
+        transport=transport,
+        master_addr=master,
+        master_port=port,
+        world_size=2,
+        timeout_s=300,
+        connect_timeout_s=300,
+    )
+    while go.get(timeout=600):
+        t0 = time.perf_counter()
+        sender.send(model.items())
+        done.put(time.perf_counter() - t0)
+    sender.close()
+
+
+def across_hosts(args) -> None:
+    """The 23M model (benchmarks/_grpo_work.py's ``small``) from host A to host B over gloo (the veth
+    link between two network namespaces) against shm from host A to a receiver on host A, one sync of
+    each per round, alternating."""
+    import tempfile
+
+    import _grpo_work
+    from rlhf_testkit.hosts import two_hosts
+
+    folder = str(_grpo_work.build_model("small", Path(tempfile.mkdtemp(prefix="ws_hosts"))))
+    ctx = mp.get_context("spawn")
+    with two_hosts() as (a, b):
+        cases = {"shm, same host": ("shm", a, a), "gloo, across hosts": ("gloo", a, b)}
+        running = {}
+        for label, (transport, src, dst) in cases.items():
+            port, go, done = free_port(), ctx.Queue(), ctx.Queue()
+            procs = [
+                ctx.Process(
+                    target=host_sender, args=(src.namespace, transport, a.ip, port, folder, go, done)
+                ),
+                ctx.Process(
+                    target=host_receiver, args=(dst.namespace, transport, a.ip, port, args.syncs + 1, folder)
+                ),
+            ]
+            for proc in procs:
+                proc.start()
+            running[label] = (go, done, procs)
+        times: dict[str, list[float]] = {label: [] for label in cases}
+        for _ in range(args.syncs + 1):  # the first round warms up
+            for label, (go, done, _procs) in running.items():
+                go.put(True)
+                times[label].append(done.get(timeout=600))
+        for go, _done, procs in running.values():
+            go.put(False)
+            for proc in procs:
+                proc.join(timeout=120)
+                if proc.exitcode != 0:
+                    raise RuntimeError(f"a weight-sync process exited with {proc.exitcode}")
+    from safetensors.torch import load_file
+
+    nbytes = sum(t.numel() * t.element_size() for t in load_file(f"{folder}/model.safetensors").values())
+    print(f"\nAcross two test hosts: the 23M model ({nbytes / 1e6:.0f} MB), median of {args.syncs} syncs")
+    print(f"{'transport':<20} {'median s':>8} {'GB/s':>6}")
+    med = {label: statistics.median(ts[1:]) for label, ts in times.items()}
+    for label, sec in med.items():
+        print(f"{label:<20} {sec:>8.4f} {nbytes / sec / 1e9:>6.2f}")
+    ratio = med["shm, same host"] / med["gloo, across hosts"]
+    print(f"gloo across hosts runs at {ratio:.2f}x the speed of shm on one host")
+    _summary.ratio_row(args.summary, "weightsync gloo across hosts vs shm on one host (23M)", ratio, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--syncs", type=int, default=7)
@@ -313,8 +416,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of sender and receivers")
     parser.add_argument("--receiver-threads", type=int, default=None, help="default: --threads")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument(
+        "--across-hosts",
+        action="store_true",
+        help="instead: the 23M model over gloo between two test hosts vs shm on one (root, iproute2)",
+    )
     _summary.add_argument(parser)
     args = parser.parse_args()
+    if args.across_hosts:
+        across_hosts(args)
+        return
     if args.receiver_threads is None:
         args.receiver_threads = args.threads
     chosen = args.methods.split(",")

@@ -3,7 +3,13 @@
 #
 #   sbatch examples/slurm_ppo.sh
 #
-# Adjust the #SBATCH lines, the model and the flags; run_dir must be on a shared file system.
+# What packages/cli/tests/test_two_hosts.py does on two test hosts, with SLURM's nodes:
+# - every Ray node starts on its own address (--node-ip-address), the workers join the head's;
+# - token authentication: one fresh token, the same on every node and for the driver;
+# - run_dir on a file system every node sees: every rank writes its part of each checkpoint there;
+# - --actor.num_nodes 2: the actor's ranks span both nodes (4 on each); weights reach the engines over
+#   NCCL (on CPU nodes: gloo across hosts, shared memory on one).
+# Adjust the #SBATCH lines, the model and the flags.
 #SBATCH --job-name=rlhf-ppo
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -12,27 +18,31 @@
 #SBATCH --time=24:00:00
 set -euo pipefail
 
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN=$(openssl rand -hex 16)
+export RAY_AUTH_TOKEN  # srun passes the environment on to every node's ray start
+
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-head=${nodes[0]}
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
+ip_of() { srun --nodes=1 --ntasks=1 -w "$1" hostname --ip-address | awk '{print $1}'; }
+head_ip=$(ip_of "${nodes[0]}")
 port=6379
 
-srun --nodes=1 --ntasks=1 -w "$head" \
+srun --nodes=1 --ntasks=1 -w "${nodes[0]}" \
     ray start --head --node-ip-address="$head_ip" --port=$port \
     --num-cpus="$SLURM_CPUS_PER_TASK" --num-gpus="$SLURM_GPUS_PER_NODE" --block &
 sleep 20
 for node in "${nodes[@]:1}"; do
     srun --nodes=1 --ntasks=1 -w "$node" \
-        ray start --address="$head_ip:$port" \
+        ray start --address="$head_ip:$port" --node-ip-address="$(ip_of "$node")" \
         --num-cpus="$SLURM_CPUS_PER_TASK" --num-gpus="$SLURM_GPUS_PER_NODE" --block &
 done
 sleep 20
 
 rlhf ppo --ray.address "$head_ip:$port" \
     --actor.pretrain /shared/models/my-sft-model \
-    --actor.num_nodes 1 --actor.num_devices_per_node 4 --actor.lr 1e-6 \
+    --actor.num_nodes 2 --actor.num_devices_per_node 4 --actor.lr 1e-6 \
     --ref.num_devices_per_node 2 \
-    --vllm.num_engines 4 --vllm.tensor_parallel_size 2 \
+    --vllm.num_engines 2 --vllm.tensor_parallel_size 2 \
     --reward.func /shared/rewards/math_reward.py \
     --data.path /shared/data/prompts.jsonl --data.apply_chat_template \
     --algo.advantage.estimator group_norm --algo.kl.coef 0.001 --algo.kl.use_loss \

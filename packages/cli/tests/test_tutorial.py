@@ -1,6 +1,6 @@
 """docs/tutorial.md runs as written: its ``bash`` blocks from section 0 on, in order, in one shell in an
-empty folder (the environment's ``rlhf`` on PATH, as the tutorial's set-up activates it), and each
-step shows what the tutorial says it shows."""
+empty folder (the environment's ``rlhf`` on PATH, as the tutorial's set-up activates it; ``RAY_ADDRESS``
+the session's Ray cluster), and each step shows what the tutorial says it shows."""
 
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ def series(rows: list[dict], key: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_tutorial_runs_as_written_and_shows_what_it_says(tmp_path):
+def test_tutorial_runs_as_written_and_shows_what_it_says(tmp_path, ray_cluster):
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the activated environment
-    env.pop("RAY_ADDRESS", None)
+    # the commands join the session's Ray cluster, as users' commands join RAY_ADDRESS (a Ray start and
+    # stop less per command; README's first command is tested starting its own)
+    env["RAY_ADDRESS"] = ray_cluster.get_runtime_context().gcs_address
     env.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     proc = subprocess.Popen(
         ["bash", "-c", tutorial_script()],

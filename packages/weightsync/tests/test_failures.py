@@ -248,7 +248,7 @@ def test_mismatched_transports_are_refused(free_port, run_in_thread):
         master_port=port,
         rank=1,
         world_size=2,
-        timeout_s=10,
+        timeout_s=3,
     )
     with pytest.raises(ValueError, match="rank 0 uses 'gloo' but rank 1 uses 'shm'"):
         WeightSender(transport="gloo", master_addr="127.0.0.1", master_port=port, world_size=2, timeout_s=10)

@@ -1,6 +1,7 @@
 """Pytest plugin (auto-loaded through the ``pytest11`` entry point).
 
-Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder). Markers: ``gpu`` tests are skipped
+Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`` (a module's Ray cluster
+across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``). Markers: ``gpu`` tests are skipped
 when CUDA is absent; ``slow`` is registered for end-to-end tests.
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
@@ -47,6 +48,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen2 causal LM + tokenizer folder, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), TinyModelSpec())
+
+
+@pytest.fixture(scope="module")
+def two_host_ray():
+    """A Ray cluster across two test hosts (``rlhf_testkit.hosts.RayCluster``): the head on host A
+    (10.213.0.1, 1 CPU), a worker node on host B (10.213.0.2, 2 CPUs), token authentication on. Needs
+    root and iproute2 (refused with a clear error otherwise, never skipped)."""
+    from rlhf_testkit.hosts import ray_cluster, two_hosts
+
+    with two_hosts() as hosts, ray_cluster(hosts, cpus=(1, 2)) as cluster:
+        yield cluster
 
 
 @pytest.hookimpl(wrapper=True)

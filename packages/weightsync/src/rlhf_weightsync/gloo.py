@@ -2,14 +2,14 @@
 
 The group is built from the rendezvous store (``ProcessGroupGloo(store, rank, size, options)``),
 never from ``torch.distributed``'s default group, with the sync timeout on every operation. The
-gloo network interface follows ``GLOO_SOCKET_IFNAME`` when set; with a loopback ``master_addr`` all
-ranks use 127.0.0.1. The group gets two gloo devices (two connection sets, two worker threads), so
+gloo network interface follows ``GLOO_SOCKET_IFNAME`` when set; otherwise each rank binds its address
+on the route to ``master_addr`` (127.0.0.1 with a loopback master; across hosts, the link between them,
+whatever this host's name resolves to). The group gets two gloo devices (two connection sets, two worker threads), so
 the broadcast of bucket ``i + 1`` can run while bucket ``i``'s finishes.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -24,19 +24,23 @@ from rlhf_weightsync.errors import WeightSyncError
 __all__ = ["connect"]
 
 
-def _is_loopback(addr: str) -> bool:
+def _local_address_towards(addr: str) -> str | None:
+    """This host's IPv4 address on the route to ``addr`` (its own address when ``addr`` is local)."""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(addr), 9))  # picks a route; sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return None
 
 
 def _device(master_addr: str):
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     if iface:
         return dist.ProcessGroupGloo.create_device(interface=iface.split(",")[0])
-    if _is_loopback(master_addr):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    local = _local_address_towards(master_addr)
+    if local is not None:
+        return dist.ProcessGroupGloo.create_device(hostname=local)
     return dist.ProcessGroupGloo.create_default_device()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,11 +147,12 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
 
 
 def _start_engines(
-    cfg: PPOConfig, plan: Plan, pg: Any, path: str, stop_at_exit: Stops, asynchronous: bool
+    cfg: PPOConfig, plan: Plan, pgs: PlacementGroups, path: str, stop_at_exit: Stops, asynchronous: bool
 ) -> EngineClient:
     """``--vllm.num_engines`` engines on the engines' placement group; each one's stop registered."""
 
     eg = plan.group("engines")
+    host = plan.group(eg.share) if eg.share else eg  # colocated: the engines sit on the host's bundles
     env = dict(worker_env())
     if eg.threads:  # CPU: the engine's cores (Ray gives a fractional-CPU actor OMP_NUM_THREADS=1)
         env["OMP_NUM_THREADS"] = str(eg.threads)
@@ -162,7 +164,8 @@ def _start_engines(
         backend=cfg.rollout.backend,
         engine_kwargs=_engine_kwargs(cfg, path, gpu=plan.device == "cuda"),
         tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-        placement_group=pg,
+        placement_group=pgs["engines"],
+        bundle_indices=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],
         num_cpus_per_engine=eg.bundle.get("CPU", 0),
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
@@ -219,13 +222,14 @@ def start_components(
         _specs(cfg, plan, path), plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit
     )
     if engines is None:
-        engines = _start_engines(cfg, plan, pgs["engines"], path, stop_at_exit, asynchronous)
+        engines = _start_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(
         groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
     )
     stop_at_exit(lambda: _quietly(sync.close))
+    print(sync.description, file=sys.stderr)  # the transport `auto` resolved to, e.g. gloo across hosts
     return Components(
         tokenizer=tokenizer,
         actor=groups["actor"],

@@ -4,6 +4,7 @@ placement groups of a plan (each one's removal registered with the run the momen
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ class PlacementGroups:
     def __init__(self) -> None:
         self._groups: dict[str, Any] = {}
         self._aliases: dict[str, str] = {}  # a colocated group -> the group whose placement group it uses
+        self._order: dict[str, list[int]] = {}  # a spanning group: its bundles, the driver's node's first
 
     def __getitem__(self, name: str) -> Any:
         return self._groups[self._aliases.get(name, name)]
@@ -135,6 +137,22 @@ class PlacementGroups:
 
     def add(self, name: str, pg: Any) -> None:
         self._groups[name] = pg
+
+    def bundle(self, name: str, index: int) -> int:
+        """The bundle of ``name``'s placement group that the plan's bundle ``index`` is (the plan's
+        ``GroupPlan.bundle_index``): a spanning group's first is on the driver's node if it has one there,
+        so rank 0 (the weight sender, the rendezvous master) runs beside the driver."""
+        order = self._order.get(self._aliases.get(name, name))
+        return order[index] if order else index
+
+    def put_driver_node_first(self, name: str) -> None:
+        """Number ``name``'s bundles from the one on this driver's node (a placed group)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(self._groups[name])["bundles_to_node_id"]
+        here = ray.get_runtime_context().get_node_id()
+        self._order[name] = sorted(range(len(nodes)), key=lambda b: nodes[b] != here)
 
     def free(self, name: str) -> None:
         """Remove ``name``'s placement group, if it is still there (a colocated group's: nothing)."""
@@ -158,20 +176,33 @@ def placement_groups(
     stop_at_exit: Stops,
     skip: tuple[str, ...] = (),
 ) -> PlacementGroups:
-    """One placement group per group (except ``skip``), PACKed (a group's ranks close together); colocated
-    groups sit on their host's, whose bundles hold every member's claim. Their removal is registered with
-    ``stop_at_exit`` before the first is created. Waits until all are placed."""
+    """One placement group per group (except ``skip``): its ranks PACKed close together, or, for a group
+    that spans nodes (``--<group>.num_nodes``), one bundle per node, STRICT_SPREAD. Colocated groups sit
+    on their host's, whose bundles hold every member's claim. The spanning groups are placed first (the
+    others then take what is left on each node). Their removal is registered with ``stop_at_exit``
+    before the first is created. Waits until all are placed."""
     import ray
     from ray.util.placement_group import placement_group
 
     out = PlacementGroups()
     stop_at_exit(out.free_all)
-    for g in plan.groups:
-        if g.share is not None:
-            out.alias(g.name, g.share)
-        elif g.name not in skip or g.members:
-            whole = {k: v * (1 + len(g.members)) for k, v in g.bundle.items()}  # every member's claim
-            bundles = [dict(whole) for _ in range(g.processes)]
-            out.add(g.name, placement_group(bundles, strategy="PACK", name=f"rlhf-{g.name}"))
-    ray.get([out[g.name].ready() for g in plan.groups if g.name in out], timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    spanning = [g for g in plan.groups if g.nodes > 1]
+    for batch in (spanning, [g for g in plan.groups if g.nodes == 1]):
+        for g in batch:
+            if g.share is not None:
+                out.alias(g.name, g.share)
+            elif g.name not in skip or g.members:
+                whole = {k: v * (1 + len(g.members)) for k, v in g.bundle.items()}  # every member's claim
+                if g.nodes > 1:  # a node's processes share its bundle
+                    per_node = {k: v * (g.processes // g.nodes) for k, v in whole.items()}
+                    bundles, strategy = [dict(per_node) for _ in range(g.nodes)], "STRICT_SPREAD"
+                else:
+                    bundles, strategy = [dict(whole) for _ in range(g.processes)], "PACK"
+                out.add(g.name, placement_group(bundles, strategy=strategy, name=f"rlhf-{g.name}"))
+        ready = [out[g.name].ready() for g in batch if g.name in out and g.share is None]
+        ray.get(ready, timeout=max(deadline - time.monotonic(), 0.001))
+    for g in spanning:
+        if g.share is None and g.name in out:
+            out.put_driver_node_first(g.name)
     return out

@@ -16,6 +16,7 @@ __all__ = [
     "dead_actor",
     "describe_death",
     "get_all",
+    "lost_host",
     "naming_nonfinite",
 ]
 
@@ -113,3 +114,30 @@ def describe_death(err: BaseException, names: Mapping[str, str]) -> str:
     why = detail.group(1) if detail else type(err).__name__
     place = ", ".join(w for w in where if w)
     return f"{who} died{f' ({place})' if place else ''}: {why}"
+
+
+def lost_host(err: BaseException, names: Mapping[str, str]) -> str | None:
+    """When the dead actor's Ray node is gone (its host crashed or dropped off the network), one line
+    naming the host and which of the run's actors (``names``) were on it; None when the node is alive
+    (the process alone died) or Ray cannot tell."""
+    import ray
+
+    try:
+        from ray._private import state
+
+        actor_id = str(getattr(err, "actor_id", None) or "")
+        node = state.actors(actor_id)["Address"] if actor_id else None
+        if node is None or not node["NodeID"]:
+            return None
+        lost = next((n for n in ray.nodes() if n["NodeID"] == node["NodeID"] and not n["Alive"]), None)
+        if lost is None:
+            return None
+        on_it = [
+            name for aid, name in names.items() if state.actors(aid)["Address"]["NodeID"] == node["NodeID"]
+        ]
+    except Exception:  # the cluster's state cannot be read: the death is told without it
+        return None
+    ip = lost.get("NodeManagerAddress") or node["IPAddress"]
+    why = " ".join(str(lost.get("DeathReasonMessage") or "").split())
+    listed = ", ".join(on_it) or "none of the run's named processes"
+    return f"host {ip} was lost (Ray node {node['NodeID'][:12]}{f': {why}' if why else ''}); on it: {listed}"

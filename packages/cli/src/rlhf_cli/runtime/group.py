@@ -7,6 +7,7 @@ through the small Protocols of ``rlhf_cli.runtime.protocols``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,7 +28,7 @@ from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch,
 
 if TYPE_CHECKING:
     from rlhf_cli.runtime.cluster import PlacementGroups
-    from rlhf_cli.runtime.placement import Plan
+    from rlhf_cli.runtime.placement import GroupPlan, Plan
 
 __all__ = ["LearnerGroup", "launch_groups", "worker_env"]
 
@@ -44,6 +45,7 @@ class LearnerGroup:
         spec: GroupSpec,
         *,
         placement_group: Any,
+        bundle_index: Callable[[int], int] = lambda rank: rank,
         num_cpus: float,
         num_gpus: float,
         timeout_s: float,
@@ -59,7 +61,7 @@ class LearnerGroup:
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=r
+                    placement_group=placement_group, placement_group_bundle_index=bundle_index(r)
                 ),
                 runtime_env={"env_vars": dict(env_vars or {})},
             ).remote(spec=spec, rank=r)
@@ -268,6 +270,7 @@ def launch_groups(
         groups[name] = LearnerGroup(
             spec,
             placement_group=pgs[name],
+            bundle_index=functools.partial(_bundle_of, pgs, name, plan.group(plan.group(name).share or name)),
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
             timeout_s=timeout_s,
@@ -276,6 +279,11 @@ def launch_groups(
         stop_at_exit(groups[name].shutdown, actors=groups[name].actor_names(name))
         groups[name].start_setup()
     return groups
+
+
+def _bundle_of(pgs: PlacementGroups, name: str, host: GroupPlan, rank: int) -> int:
+    """The bundle of ``name``'s placement group (its host's, when colocated) that rank ``rank`` sits on."""
+    return pgs.bundle(name, host.bundle_index(rank))
 
 
 def worker_env() -> dict[str, str]:

@@ -5,12 +5,13 @@ it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.config.run import RayConfig
 from rlhf_cli.runtime.cluster import ClusterResources
+from rlhf_cli.runtime.cpu_threads import engine_threads, pinned, with_threads
 from rlhf_cli.runtime.model_sizes import ModelShape, ModelSizes, activation_bytes, model_sizes
 from rlhf_learner import StrategyOptions
 
@@ -41,6 +42,13 @@ class GroupPlan:
     """Colocated: the group whose placement group (bundles) this one's processes sit on."""
     members: tuple[str, ...] = ()
     """Colocated, on the hosting group: the groups that share its bundles."""
+    nodes: int = 1
+    """Nodes the processes span, ``processes // nodes`` on each: one bundle per node, every bundle on a
+    node of its own (``--<group>.num_nodes``). 1: one bundle per process, packed onto as few nodes as fit."""
+
+    def bundle_index(self, process: int) -> int:
+        """The bundle that process ``process`` (a rank, or a colocated member's process) sits on."""
+        return process // (self.processes // self.nodes) if self.nodes > 1 else process
 
     @property
     def memory_gib(self) -> float:
@@ -71,6 +79,7 @@ class Plan:
             bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
             threads = f"; {g.threads} thread(s) each" if g.threads else ""
             threads += f" on core(s) {_span(g.cores)}" if g.cores else ""
+            threads += f"; {g.processes // g.nodes} on each of {g.nodes} nodes" if g.nodes > 1 else ""
             note = f"{g.note}{threads}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
             lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
         if (e := self.group("engines")) is not None:
@@ -78,45 +87,6 @@ class Plan:
             lines.append(sync)
         lines += self.notes
         return "\n".join(lines)
-
-
-def with_threads(
-    groups: list[GroupPlan],
-    per_node: dict[str, int],
-    resources: ClusterResources,
-    threads_per_rank: int | None,
-) -> list[GroupPlan]:
-    """Each learner group's torch threads per rank: ``--ray.threads_per_rank``, else its node's cores
-    divided by the group's ranks on the node (``per_node``): the stages of a synchronous step run one at a
-    time, so the group running owns the node's cores (a fractional Ray CPU would give it one thread)."""
-    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
-    return [
-        replace(g, threads=threads_per_rank or max(1, cores // per_node[g.name])) if g.name in per_node else g
-        for g in groups
-    ]
-
-
-def pinned(
-    groups: list[GroupPlan],
-    per_node: dict[str, int],
-    resources: ClusterResources,
-    rollout_side: tuple[str, ...] = ("engines",),
-) -> list[GroupPlan]:
-    """Engines and learner ranks on disjoint cores of each node (their work overlaps when training is
-    asynchronous, and vLLM-CPU's queue readers spin): the engines (and the frozen groups that score the
-    samples beside them, ``rollout_side``) the first half, the trained groups the rest; each process's
-    threads are its share of its half (the groups of a half take turns, so each gets all)."""
-    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
-    if resources.gpus or cores < 2:
-        return groups
-    half = cores // 2
-    engine_cores, learner_cores = tuple(range(half)), tuple(range(half, cores))
-    out = []
-    for g in groups:
-        mine = engine_cores if g.name in rollout_side else learner_cores
-        procs = per_node.get(g.name, 1)
-        out.append(replace(g, cores=mine, threads=max(1, len(mine) // max(1, procs))))
-    return out
 
 
 def _span(cores: tuple[int, ...]) -> str:
@@ -138,6 +108,7 @@ class _Learner:
     gc_flag: str = ""
     note: str = ""
     lora: bool = False
+    nodes: int = 1
 
 
 def _learner_group(
@@ -165,7 +136,14 @@ def _learner_group(
     trains = f"ZeRO-{ds.zero_stage}, trains" + (" LoRA adapters" if g.lora else "")
     note = g.note or (trains if g.trains else "frozen")
     return GroupPlan(
-        name=g.name, processes=g.world, bundle=bundle, parts=parts, params=n, note=note, flags=flags
+        name=g.name,
+        processes=g.world,
+        bundle=bundle,
+        parts=parts,
+        params=n,
+        note=note,
+        flags=flags,
+        nodes=g.nodes,
     )
 
 
@@ -194,7 +172,7 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
     flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
     procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
-    threads = 0 if resources.gpus else _engine_threads(procs, resources, cfg.ray.threads_per_rank, n)
+    threads = 0 if resources.gpus else engine_threads(procs, resources, cfg.ray.threads_per_rank, n)
     return GroupPlan(
         name="engines",
         processes=procs,
@@ -205,25 +183,6 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
         flags=flags,
         threads=threads,
     )
-
-
-_ONE_THREAD_ENGINE_PARAMS = 5e6
-"""Below this, a CPU engine generates faster on one thread: a 0.4M-parameter model ran at 1.02x raw vLLM
-on one thread and 0.66x on two, a 24M one at 1.08x and 1.57x (benchmarks/rollout_cpu.py)."""
-
-
-def _engine_threads(
-    processes: int, resources: ClusterResources, threads_per_rank: int | None, params: int
-) -> int:
-    """A CPU engine's torch threads: ``--ray.threads_per_rank``, else one for a tiny model, else its
-    node's cores divided by the engine processes on the node (spread evenly): in a synchronous step the
-    learners wait while the engines generate (Ray would give a fractional-CPU actor one thread)."""
-    if threads_per_rank:
-        return threads_per_rank
-    if params < _ONE_THREAD_ENGINE_PARAMS:
-        return 1
-    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
-    return max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))
 
 
 def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
@@ -258,7 +217,13 @@ def _bundle(resources: ClusterResources, ray_cfg: RayConfig) -> dict[str, float]
 
 
 def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig, what: str) -> None:
-    """ConfigError naming the flags when the groups need more CPUs, GPUs or GPU memory than there is."""
+    """ConfigError naming the flags when the groups need more nodes, CPUs, GPUs or GPU memory than there is."""
+    for g in groups:
+        if g.nodes > resources.nodes:
+            raise ConfigError(
+                f"--{g.name}.num_nodes {g.nodes}: the group spans {g.nodes} nodes, the cluster has "
+                f"{resources.nodes} (join a cluster of {g.nodes} with --ray.address, or lower it)"
+            )
     need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
     need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)
     if resources.gpus > 0 and need_gpu > resources.gpus:
@@ -297,11 +262,11 @@ def make_offline_plan(
     _check_4bit(getattr(cfg, "lora", None), "--lora.load_in_4bit", resources)
     gc = cfg.model.options.gradient_checkpointing
     gc_flag, lora = "--model.options.gradient_checkpointing", getattr(cfg, "lora", None) is not None
-    specs = [_Learner("model", cfg.model.world_size, True, gc, gc_flag, lora=lora)]
+    specs = [_Learner("model", cfg.model.world_size, True, gc, gc_flag, lora=lora, nodes=cfg.model.num_nodes)]
     if with_ref:
         ref = cfg.ref  # type: ignore[attr-defined]
         note = "frozen, stopped after precomputing" if ref.precompute else "frozen"
-        specs.append(_Learner("ref", ref.world_size, False, note=note))
+        specs.append(_Learner("ref", ref.world_size, False, note=note, nodes=ref.num_nodes))
     rows = cfg.train.micro_batch_size * (2 if cfg.command in ("rm", "dpo", "kto") else 1)
     load = (cfg.data.max_len, rows) if resources.gpus > 0 else None  # type: ignore[attr-defined]
     bundle = _bundle(resources, cfg.ray)
@@ -327,11 +292,13 @@ def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
     for name, group, used in (("actor", cfg.actor, True), ("critic", cfg.critic, cfg.uses_critic)):
         gc, gc_flag = group.model.gradient_checkpointing, f"--{name}.model.gradient_checkpointing"
         lora = getattr(group, "lora", None) is not None  # the actor's --actor.lora
-        out += [_Learner(name, group.world_size, True, gc, gc_flag, lora=lora)] if used else []
+        shape = _Learner(name, group.world_size, True, gc, gc_flag, lora=lora, nodes=group.num_nodes)
+        out += [shape] if used else []
     if cfg.uses_reference:
-        out.append(_Learner("ref", cfg.ref.world_size, False))
+        out.append(_Learner("ref", cfg.ref.world_size, False, nodes=cfg.ref.num_nodes))
     if cfg.reward.source == "model":
-        out.append(_Learner("reward", cfg.reward.world_size, False, note="frozen reward model"))
+        note = "frozen reward model"
+        out.append(_Learner("reward", cfg.reward.world_size, False, note=note, nodes=cfg.reward.num_nodes))
     return out
 
 

@@ -60,7 +60,7 @@ def resolve_model(pretrain: Path | str | None, run_dir: Path) -> Path:
         from rlhf_learner.models import check_model_dir
 
         check_model_dir(pretrain)
-        return Path(pretrain)
+        return Path(pretrain).absolute()
     from rlhf_cli.demo.task import build_demo_model
 
     return build_demo_model(run_dir / "base_model")
@@ -214,7 +214,7 @@ def prepare_run(
 ) -> RunSetup:
     """Before anything starts: the checkpoint to resume (refused when written with other settings), the
     run folder and its ``config.yaml``, the model, and a plan that fits the local machine."""
-    run_dir = Path(cfg.logger.run_dir)
+    run_dir = Path(cfg.logger.run_dir).absolute()  # engines and ranks may start in other folders
     ckpt_root = run_dir / "checkpoints"
     found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
     state = None

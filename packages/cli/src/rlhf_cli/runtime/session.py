@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlhf_cli.config import OfflineConfig, PPOConfig
 from rlhf_cli.runtime.cluster import ClusterResources, start_ray
-from rlhf_cli.runtime.failures import ActorDiedError, dead_actor, describe_death
+from rlhf_cli.runtime.failures import ActorDiedError, dead_actor, describe_death, lost_host
 from rlhf_cli.runtime.tracking import Tracker
 
 __all__ = ["RunSession", "run_session"]
@@ -53,7 +53,8 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
         died = dead_actor(err) if isinstance(err, Exception) else None
         if died is None:
             raise
-        raise ActorDiedError(f"{describe_death(died, session.actor_names)}; {_resume_hint(cfg)}") from err
+        what = lost_host(died, session.actor_names) or describe_death(died, session.actor_names)
+        raise ActorDiedError(f"{what}; {_resume_hint(cfg)}") from err
     finally:
         stops = list(reversed(session._stops))
         if started_ray:

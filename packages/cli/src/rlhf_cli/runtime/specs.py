@@ -3,7 +3,8 @@ the Ray boundary as itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlhf_learner import LoraOptions, ModelOptions, StrategyOptions
@@ -38,6 +39,9 @@ class GroupSpec:
     """Sampling temperature: the actor and reference score tokens under the sampler's distribution."""
     trains: bool | None = None
     """Whether the group is trained; unset: the actor and critic are, the reference and reward model not."""
+    cwd: str = field(default_factory=os.getcwd)
+    """The driver's working folder: ranks work there (where it exists on their node), so relative paths
+    in flags mean what they meant to the driver on a cluster it joined, as on one it started."""
 
     @property
     def trained(self) -> bool:

@@ -39,6 +39,10 @@ class EngineWeightSync:
         )
         get_all(joining + hosting, timeout_s=timeout_s)
         self.version = 0
+        self.description = (
+            f"weight sync: actor rank 0 on {addr} -> {world - 1} engine process(es) over {transport}"
+        )
+        """One line for the run's log: where the weights go from, to how many processes, and how."""
 
     def push(self, *, version: int) -> SyncReport:
         """Send the actor's current weights as ``version`` and wait until every engine loaded them."""

@@ -62,6 +62,8 @@ class LearnerWorker:
 
     def __init__(self, *, spec: GroupSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
+        if os.path.isdir(spec.cwd):  # a joined cluster's workers start elsewhere (see GroupSpec.cwd)
+            os.chdir(spec.cwd)
         self.engine: Any = None
         self.sender: Any = None
 

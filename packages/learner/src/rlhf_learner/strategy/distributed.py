@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_backend", "free_port", "init_distributed"]
+__all__ = ["default_backend", "free_port", "init_distributed", "interface_towards"]
 
 
 def default_backend() -> str:
@@ -92,17 +92,39 @@ def init_distributed(
 
 def _join_bound_to_master(backend: str, timeout: timedelta) -> None:
     """The default process group, its rendezvous store listening on ``MASTER_ADDR`` only (torch's own
-    store listens on every interface): rank 0 binds the socket and hands it to the store. With a
-    loopback ``MASTER_ADDR``, gloo's connections are made on the loopback interface too."""
+    store listens on every interface): rank 0 binds the socket and hands it to the store. Gloo's
+    connections are made on the interface that reaches ``MASTER_ADDR`` (``interface_towards``) unless
+    ``GLOO_SOCKET_IFNAME`` is set."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     fd = _listening_fd(addr, port) if rank == 0 else None
     store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
-    if backend == "gloo" and addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = [name for _, name in socket.if_nameindex() if name == "lo"]
-        if loopback:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback[0]
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_towards(addr)
+        if iface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def interface_towards(addr: str) -> str | None:
+    """The network interface this host reaches ``addr`` through (``lo`` for a loopback or own address):
+    gloo's connections are made there. Left to itself, gloo binds the address this host's name resolves
+    to, which need not be on the link to the other ranks (a host whose name maps to 127.0.0.1 would
+    offer its peers a loopback address). None when it cannot be told."""
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(addr), 9))  # picks a route; sends nothing
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    if local.startswith("127."):
+        return next((name for _, name in socket.if_nameindex() if name == "lo"), None)
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addresses):
+            return name
+    return None
 
 
 def _listening_fd(addr: str, port: int) -> int:

@@ -1,0 +1,73 @@
+"""CPU runs: the torch threads of each learner rank and engine process, and pinned cores (engines on one
+half of each node's cores, learners on the other) -- part of the placement plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from rlhf_cli.runtime.cluster import ClusterResources
+
+if TYPE_CHECKING:
+    from rlhf_cli.runtime.placement import GroupPlan
+
+__all__ = ["engine_threads", "pinned", "with_threads"]
+
+
+def with_threads(
+    groups: list[GroupPlan],
+    per_node: dict[str, int],
+    resources: ClusterResources,
+    threads_per_rank: int | None,
+) -> list[GroupPlan]:
+    """Each learner group's torch threads per rank: ``--ray.threads_per_rank``, else its node's cores
+    divided by the group's ranks on the node (``per_node``): the stages of a synchronous step run one at a
+    time, so the group running owns the node's cores (a fractional Ray CPU would give it one thread)."""
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    return [
+        replace(g, threads=threads_per_rank or max(1, cores // per_node[g.name])) if g.name in per_node else g
+        for g in groups
+    ]
+
+
+def pinned(
+    groups: list[GroupPlan],
+    per_node: dict[str, int],
+    resources: ClusterResources,
+    rollout_side: tuple[str, ...] = ("engines",),
+) -> list[GroupPlan]:
+    """Engines and learner ranks on disjoint cores of each node (their work overlaps when training is
+    asynchronous, and vLLM-CPU's queue readers spin): the engines (and the frozen groups that score the
+    samples beside them, ``rollout_side``) the first half, the trained groups the rest; each process's
+    threads are its share of its half (the groups of a half take turns, so each gets all)."""
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    if resources.gpus or cores < 2:
+        return groups
+    half = cores // 2
+    engine_cores, learner_cores = tuple(range(half)), tuple(range(half, cores))
+    out = []
+    for g in groups:
+        mine = engine_cores if g.name in rollout_side else learner_cores
+        procs = per_node.get(g.name, 1)
+        out.append(replace(g, cores=mine, threads=max(1, len(mine) // max(1, procs))))
+    return out
+
+
+_ONE_THREAD_ENGINE_PARAMS = 5e6
+"""Below this, a CPU engine generates faster on one thread: a 0.4M-parameter model ran at 1.02x raw vLLM
+on one thread and 0.66x on two, a 24M one at 1.08x and 1.57x (benchmarks/rollout_cpu.py)."""
+
+
+def engine_threads(
+    processes: int, resources: ClusterResources, threads_per_rank: int | None, params: int
+) -> int:
+    """A CPU engine's torch threads: ``--ray.threads_per_rank``, else one for a tiny model, else its
+    node's cores divided by the engine processes on the node (spread evenly): in a synchronous step the
+    learners wait while the engines generate (Ray would give a fractional-CPU actor one thread)."""
+    if threads_per_rank:
+        return threads_per_rank
+    if params < _ONE_THREAD_ENGINE_PARAMS:
+        return 1
+    cores = max(1, int(resources.cpus // max(1, resources.nodes)))
+    return max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))

@@ -1,0 +1,168 @@
+"""Two real hosts on this machine (``two_host_ray``: network namespaces on a veth link, 10.213.0.1 and
+10.213.0.2): a Ray cluster with its head on host A and a worker node on host B, Ray's token
+authentication on; the drivers run in host A, and the run folder is on the filesystem both hosts share.
+
+- ``rlhf sft --model.num_nodes 2``: a rank on each host, gloo all-reduces across the link; the same
+  losses as two ranks on one host.
+- ``rlhf ppo --actor.num_nodes 2``: a ZeRO-3 rank on each host, the engine on host B, the weights synced
+  over gloo across the link (what ``--weightsync.transport auto`` resolves to, as the run logs), the
+  engine's log-probs equal to the learner's after every sync. Killed with SIGKILL at the driver, then at
+  the engine inside a generation, then inside a weight sync: every run ends within a minute naming what
+  died, and the last resume ends with the uninterrupted run's weights and metrics (checkpoints written
+  from both hosts into one run folder).
+- Host B lost mid-run (its link goes dark, every process in it dies): the run ends within a minute in one
+  line naming the host and the rank and engine that were on it, and leaves nothing running on host A.
+  Runs last: host B stays down.
+
+The kill steps are drawn at random (``RLHF_KILL_SEED`` is printed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from rlhf_cli.config import SFTConfig, build_config
+from rlhf_cli.demo import task
+from rlhf_cli.offline import sft
+from rlhf_testkit.commands import (
+    Driver,
+    assert_died_naming,
+    failed_within,
+    freeze_in_call,
+    kill_worker,
+    ray_workers,
+    rows,
+    same_weights,
+    training_metrics,
+)
+from rlhf_testkit.hosts import RayCluster
+
+SEED = int(os.environ.get("RLHF_KILL_SEED", time.time_ns() % 10_000))
+QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
+ACROSS = ["--ray.cpus_per_worker", "1"]  # host A (1 CPU) holds one rank; host B (2) a rank and the engine
+
+
+@pytest.fixture(scope="module")
+def rng():
+    print(f"kill steps drawn with RLHF_KILL_SEED={SEED}")
+    return random.Random(SEED)
+
+
+def on_both_hosts(d: Driver, cluster: RayCluster, kind: str, only: int | None = None) -> None:
+    """Wait until this run has a ``ray::<kind>`` process in each host (in host ``only`` alone, if given)."""
+    hosts = cluster.hosts if only is None else (cluster.hosts[only],)
+    d.wait_for(lambda: all(ray_workers(kind, d.started, h) for h in hosts), f"{kind} on {len(hosts)} host(s)")
+    if only is not None:
+        others = [h for i, h in enumerate(cluster.hosts) if i != only]
+        assert not any(ray_workers(kind, d.started, h) for h in others), f"a {kind} outside host {only}"
+
+
+def test_sft_data_parallel_across_hosts_gives_the_losses_of_one_host(
+    two_host_ray, ray_cluster, demo_model_dir, tmp_path
+):
+    cluster = two_host_ray
+    wrong = cluster.status(env={**cluster.env, "RAY_AUTH_TOKEN": "not-the-token"})
+    assert wrong.returncode != 0  # token authentication: a client without the cluster's token is refused
+
+    data = task.write_data("sft", tmp_path / "sft.jsonl", seed=0)
+    flags = [
+        *("--model.pretrain", str(demo_model_dir), "--data.path", str(data), "--data.apply_chat_template"),
+        *("--train.batch_size", "24", "--train.micro_batch_size", "6", "--train.num_epochs", "1"),
+        *("--train.seed", "3", "--model.lr", "1e-3", "--eval.every", "2", *QUIET),
+    ]
+    one_host = ["--model.num_devices_per_node", "2", "--logger.run_dir", str(tmp_path / "one")]
+    sft.run(build_config(SFTConfig, [*flags, *one_host]))  # the session's local cluster: one host
+
+    d = Driver(
+        "sft",
+        [*flags, *ACROSS, "--model.num_nodes", "2"],
+        cluster.address,
+        tmp_path / "two",
+        env=cluster.env,
+        host=cluster.hosts[0],
+    )
+    on_both_hosts(d, cluster, "LearnerWorker")
+    rc, _, err = d.finish()
+    assert rc == 0, err[-3000:]
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["step"] for r in two] == [r["step"] for r in one] and len(two) >= 3
+    for a, b in zip(one, two, strict=True):
+        for key in ("train/loss", "eval/loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+
+
+PPO_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def ppo_flags(demo_model_dir) -> list[str]:
+    """The built-in task on the demo model, REINFORCE++ (no critic, no reference), the actor's two ranks
+    on two hosts, the transformers engine (what dies is an engine process either way), a checkpoint
+    every 2 steps."""
+    return [
+        *("--actor.pretrain", str(demo_model_dir), "--rollout.backend", "transformers"),
+        *("--algo.advantage.estimator", "reinforce", "--algo.kl.coef", "0", "--actor.num_nodes", "2"),
+        *("--train.num_steps", str(PPO_STEPS), "--rollout.batch_size", "4"),
+        *("--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "6"),
+        *("--train.micro_batch_size", "4", "--eval.every", "0", "--ckpt.save_steps", "2", *ACROSS, *QUIET),
+    ]
+
+
+def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninterrupted_run(
+    rng, two_host_ray, ppo_flags, tmp_path
+):
+    cluster = two_host_ray
+
+    def driver(flags: list[str], run_dir: Path) -> Driver:
+        return Driver("ppo", flags, cluster.address, run_dir, env=cluster.env, host=cluster.hosts[0])
+
+    d = driver(ppo_flags, tmp_path / "whole")
+    on_both_hosts(d, cluster, "LearnerWorker")
+    on_both_hosts(d, cluster, "EngineActor", only=1)
+    rc, _, err = d.finish()
+    assert rc == 0, err[-3000:]
+    assert f"weight sync: actor rank 0 on {cluster.hosts[0].ip} -> 1 engine process(es) over gloo" in err
+    whole = rows(tmp_path / "whole")  # the engine held the learner's weights after every sync
+    assert [r["sync/weight_version"] for r in whole] == list(range(2, PPO_STEPS + 2))
+    assert max(r["sync/logp_mismatch_max"] for r in whole) < 1e-3
+
+    run_dir = tmp_path / "killed"
+    d = driver(ppo_flags, run_dir)  # 1. the driver, at a random step
+    d.wait_steps(rng.randint(3, 5))
+    d.kill()
+
+    resume = [*ppo_flags, "--ckpt.load_enable"]
+    latest = run_dir / "checkpoints" / "latest"
+    # 2. and 3. the engine, frozen in a generation, then in a weight sync, and killed there
+    for method in ("generate", "receive_weights"):
+        d = driver(resume, run_dir)
+        d.wait_steps(int(latest.read_text()[-6:]) + 1)
+        (engine,) = ray_workers("EngineActor", d.started, cluster.hosts[1])
+        freeze_in_call(d, engine, method)
+        assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
+
+    rc, _, err = driver(resume, run_dir).finish()  # 4. to the end
+    assert rc == 0, err[-3000:]
+    assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
+    same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
+
+
+def test_losing_a_host_ends_the_run_naming_the_host_and_what_ran_there(two_host_ray, ppo_flags, tmp_path):
+    cluster = two_host_ray
+    a, b = cluster.hosts
+    d = Driver("ppo", ppo_flags, cluster.address, tmp_path / "run", env=cluster.env, host=a)
+    d.wait_steps(3)  # after the checkpoint of step 2
+    lost_at = time.monotonic()
+    b.power_off()
+    last = failed_within(d, lost_at, 60)
+    assert last.startswith(f"error: host {b.ip} was lost (Ray node "), last
+    assert "; on it: the actor group's rank 1, rollout engine 0; rerun with --ckpt.load_enable" in last, last
+    deadline = time.monotonic() + 30  # the rank on host A was stopped with the run
+    while ray_workers("LearnerWorker", d.started, a):
+        assert time.monotonic() < deadline, "the run left its rank running on host A"
+        time.sleep(0.5)

@@ -1,0 +1,232 @@
+"""Real test hosts on one machine, and a Ray cluster across them.
+
+A host is a Linux network namespace with a network stack of its own: its loopback and one end of a veth
+link to the other host, with its own address (``10.213.0.1``, ``10.213.0.2``). A process started in a
+host sees only those interfaces, so every byte between hosts crosses the link; the filesystem (and so
+a run folder) is shared, as a cluster's shared folder would be. Needs root and iproute2's ``ip``.
+
+:func:`ray_cluster` starts ``ray start --head`` in the first host and ``ray start --address`` in the
+others, each node on its host's address, Ray's token authentication on with a fresh token: its
+:attr:`RayCluster.env` is what a client (``ray status``, an ``rlhf`` driver) needs to join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Host", "RayCluster", "ray_cluster", "two_hosts"]
+
+LINK = "veth0"
+"""Each host's end of the link (the same name in both namespaces)."""
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One test host: a network namespace and its address on the link."""
+
+    namespace: str
+    ip: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def pids(self) -> list[int]:
+        """The processes running in this host."""
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.namespace], capture_output=True, text=True, timeout=30
+        )
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_all(self, timeout_s: float = 30.0) -> None:
+        """SIGKILL every process in this host; returns once none is left."""
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"host {self.namespace}: processes {pids} survived SIGKILL")
+            time.sleep(0.1)
+
+    def set_link(self, up: bool) -> None:
+        _ip("-n", self.namespace, "link", "set", LINK, "up" if up else "down")
+
+    def power_off(self) -> None:
+        """As a host that loses power: its link goes dark first (no peer hears a connection close), then
+        every process in it dies."""
+        self.set_link(False)
+        self.kill_all()
+
+
+@contextlib.contextmanager
+def two_hosts(subnet: str = "10.213.0") -> Iterator[tuple[Host, Host]]:
+    """Two hosts joined by a veth link, ``{subnet}.1`` and ``{subnet}.2`` (/24). On the way out every
+    process in them is killed and the namespaces are deleted (their link with them)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        raise RuntimeError("test hosts need root and iproute2's ip (apt-get install iproute2)")
+    tag = f"rlhf{os.getpid()}"
+    hosts = (Host(f"{tag}a", f"{subnet}.1"), Host(f"{tag}b", f"{subnet}.2"))
+    made: list[Host] = []
+    try:
+        for h in hosts:
+            _ip("netns", "add", h.namespace)
+            made.append(h)
+            _ip("-n", h.namespace, "link", "set", "lo", "up")
+        a, b = hosts
+        _ip(
+            "link",
+            "add",
+            LINK,
+            "netns",
+            a.namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            LINK,
+            "netns",
+            b.namespace,
+        )
+        for h in hosts:
+            _ip("-n", h.namespace, "addr", "add", f"{h.ip}/24", "dev", LINK)
+            h.set_link(True)
+        yield hosts
+    finally:
+        for h in made:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                h.kill_all()
+            with contextlib.suppress(RuntimeError):
+                _ip("netns", "del", h.namespace)
+
+
+FAST_HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "5",
+}
+"""The head marks a silent node dead within about 5-15 s (Ray's defaults: 30 s or more)."""
+
+
+@dataclass
+class RayCluster:
+    """A Ray cluster whose nodes are test hosts (:func:`ray_cluster`)."""
+
+    hosts: tuple[Host, ...]
+    address: str
+    """The head's GCS address, ``ip:port``."""
+    env: dict[str, str]
+    """The environment a client needs: token authentication on, with the cluster's token."""
+    temp_dir: str
+    nodes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    """Host namespace -> its ``ray start --block`` process."""
+
+    def start_node(
+        self, host: Host, *, num_cpus: int, head: bool = False, extra_env: dict | None = None
+    ) -> None:
+        ray = str(Path(sys.executable).parent / "ray")
+        port = self.address.rsplit(":", 1)[1]
+        where = (
+            ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
+            if head
+            else [f"--address={self.address}"]
+        )
+        argv = [ray, "start", "--block", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", *where]
+        self.nodes[host.namespace] = subprocess.Popen(
+            host.command(argv),
+            env={**self.env, **(extra_env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def status(self, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``ray status`` from the head's host."""
+        ray = str(Path(sys.executable).parent / "ray")
+        argv = self.hosts[0].command([ray, "status", f"--address={self.address}"])
+        return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=60)
+
+    def wait_for_nodes(self, n: int, timeout_s: float = 120.0) -> None:
+        """Until ``n`` nodes are alive."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.status()
+            if done.returncode == 0 and _active_nodes(done.stdout) == n:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the Ray cluster did not reach {n} nodes: {done.stdout[-500:]}{done.stderr[-500:]}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Every node stopped (SIGKILL to everything in each host, the head's last)."""
+        for h in reversed(self.hosts):
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                h.kill_all()
+        for p in self.nodes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _active_nodes(status: str) -> int:
+    """The number of nodes ``ray status`` lists as active."""
+    lines = status.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Active:")
+    except StopIteration:
+        return 0
+    count = 0
+    for line in lines[start + 1 :]:
+        if not line.strip().startswith("1 node_"):
+            break
+        count += 1
+    return count
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    hosts: Sequence[Host], *, cpus: Sequence[int], port: int = 6380, health_checks: dict | None = None
+) -> Iterator[RayCluster]:
+    """A Ray node in each host (the head in ``hosts[0]``), ``cpus[i]`` CPUs on host ``i``, token
+    authentication on (a fresh token). ``health_checks``: the head's node health-check settings
+    (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in seconds)."""
+    inherited = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # another host's interface
+    env = {
+        **inherited,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # 0 would refuse a second node
+    }
+    temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    cluster = RayCluster(hosts=tuple(hosts), address=f"{hosts[0].ip}:{port}", env=env, temp_dir=temp)
+    try:
+        cluster.start_node(
+            hosts[0], num_cpus=cpus[0], head=True, extra_env=health_checks or FAST_HEALTH_CHECKS
+        )
+        cluster.wait_for_nodes(1)
+        for host, n in zip(hosts[1:], cpus[1:], strict=True):
+            cluster.start_node(host, num_cpus=n)
+        cluster.wait_for_nodes(len(hosts))
+        yield cluster
+    finally:
+        cluster.stop()
