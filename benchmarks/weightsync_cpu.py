@@ -366,9 +366,12 @@ def across_hosts(args) -> None:
     import _grpo_work
     from rlhf_testkit.hosts import two_hosts
 
-    folder = str(_grpo_work.build_model("small", Path(tempfile.mkdtemp(prefix="ws_hosts"))))
     ctx = mp.get_context("spawn")
-    with two_hosts() as (a, b):
+    with tempfile.TemporaryDirectory(prefix="ws_hosts") as tmp, two_hosts() as (a, b):
+        folder = str(_grpo_work.build_model("small", Path(tmp)))
+        from safetensors.torch import load_file
+
+        nbytes = sum(t.numel() * t.element_size() for t in load_file(f"{folder}/model.safetensors").values())
         cases = {"shm, same host": ("shm", a, a), "gloo, across hosts": ("gloo", a, b)}
         running = {}
         for label, (transport, src, dst) in cases.items():
@@ -395,9 +398,6 @@ def across_hosts(args) -> None:
                 proc.join(timeout=120)
                 if proc.exitcode != 0:
                     raise RuntimeError(f"a weight-sync process exited with {proc.exitcode}")
-    from safetensors.torch import load_file
-
-    nbytes = sum(t.numel() * t.element_size() for t in load_file(f"{folder}/model.safetensors").values())
     print(f"\nAcross two test hosts: the 23M model ({nbytes / 1e6:.0f} MB), median of {args.syncs} syncs")
     print(f"{'transport':<20} {'median s':>8} {'GB/s':>6}")
     med = {label: statistics.median(ts[1:]) for label, ts in times.items()}

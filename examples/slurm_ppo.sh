@@ -8,7 +8,7 @@
 # - token authentication: one fresh token, the same on every node and for the driver;
 # - run_dir on a file system every node sees: every rank writes its part of each checkpoint there;
 # - --actor.num_nodes 2: the actor's ranks span both nodes (4 on each); weights reach the engines over
-#   NCCL (on CPU nodes: gloo across hosts, shared memory on one).
+#   NCCL (on CPU-only clusters: gloo; shared memory when the cluster is one host).
 # Adjust the #SBATCH lines, the model and the flags.
 #SBATCH --job-name=rlhf-ppo
 #SBATCH --nodes=2

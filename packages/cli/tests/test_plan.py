@@ -307,3 +307,21 @@ def test_colocated_engines_beyond_actor_rank_zeros_gpu_or_beyond_its_memory_are_
     with pytest.raises(ConfigError, match=r"actor \+ engines need .* GiB on one GPU of 8.00 GiB"):
         make_plan(one, gpu(8.0))  # each fits alone; together they do not
     assert make_plan(one, CPU).group("engines").share == "actor"  # CPU: shared cores, nothing to refuse
+
+
+def test_a_group_spans_exactly_its_num_nodes_and_is_refused_on_fewer_or_colocated(tmp_path):
+    model = str(write_config(tmp_path / "m", layers=2))
+    two_nodes = ClusterResources(cpus=16, gpus=0, nodes=2, node_ips=("10.0.0.1", "10.0.0.2"))
+    cfg = ppo("--actor.pretrain", model, "--actor.num_nodes", "2", "--actor.num_devices_per_node", "2")
+    plan = make_plan(cfg, two_nodes)
+    actor = plan.group("actor")
+    assert (actor.processes, actor.nodes) == (4, 2)
+    assert [actor.bundle_index(r) for r in range(4)] == [0, 0, 1, 1]  # a bundle per node
+    assert plan.group("engines").nodes == 1 and plan.transport == "gloo"  # two hosts: not shm
+    assert "2 on each of 2 nodes" in plan.render()
+    with pytest.raises(ConfigError, match=r"--actor.num_nodes 2: the group spans 2 nodes, the cluster has 1"):
+        make_plan(cfg, CPU)
+    colocated = ppo("--actor.pretrain", model, "--actor.num_nodes", "2", "--algo.kl.coef", "0.01")
+    colocated = colocated.model_copy(update={"train": cfg.train.model_copy(update={"colocate_actor_ref": True})})
+    with pytest.raises(ConfigError, match=r"--train.colocate_\*: --actor.num_nodes > 1"):
+        make_plan(colocated, two_nodes)

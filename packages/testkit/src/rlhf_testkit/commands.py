@@ -50,12 +50,11 @@ def ray_workers(kind: str, since: float, host: Host | None = None) -> list[psuti
     """The ``ray::<kind>`` processes started after ``since`` (a run's) by the Ray clusters this test
     process started (its descendants: never another test process's), in ``host`` if given."""
     found = []
-    inside = set(host.pids()) if host else None
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmd = " ".join(p.cmdline())
             mine = cmd.startswith(f"ray::{kind}") and p.create_time() >= since - 1
-            if mine and (inside is None or p.pid in inside):
+            if mine and (host is None or host.holds(p.pid)):
                 found.append(p)
     return found
 

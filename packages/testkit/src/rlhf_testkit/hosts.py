@@ -48,6 +48,13 @@ class Host:
         """``argv`` run inside this host."""
         return ["ip", "netns", "exec", self.namespace, *argv]
 
+    def holds(self, pid: int) -> bool:
+        """Whether process ``pid`` runs in this host (its network namespace is this host's)."""
+        try:
+            return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{self.namespace}").st_ino
+        except OSError:
+            return False
+
     def pids(self) -> list[int]:
         """The processes running in this host."""
         out = subprocess.run(
@@ -82,7 +89,8 @@ def two_hosts(subnet: str = "10.213.0") -> Iterator[tuple[Host, Host]]:
     process in them is killed and the namespaces are deleted (their link with them)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         raise RuntimeError("test hosts need root and iproute2's ip (apt-get install iproute2)")
-    tag = f"rlhf{os.getpid()}"
+    _remove_stale_hosts()
+    tag = f"rlhf{os.getpid()}x{secrets.token_hex(2)}"
     hosts = (Host(f"{tag}a", f"{subnet}.1"), Host(f"{tag}b", f"{subnet}.2"))
     made: list[Host] = []
     try:
@@ -117,13 +125,25 @@ def two_hosts(subnet: str = "10.213.0") -> Iterator[tuple[Host, Host]]:
                 _ip("netns", "del", h.namespace)
 
 
+def _remove_stale_hosts() -> None:
+    """Hosts that a killed test process left (named ``rlhf<pid>x...``, that pid gone): their processes
+    killed, their namespaces deleted."""
+    for name in os.listdir("/run/netns") if os.path.isdir("/run/netns") else ():
+        pid = name.removeprefix("rlhf").split("x", 1)[0]
+        if name.startswith("rlhf") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                Host(name, "").kill_all()
+                _ip("netns", "del", name)
+
+
 FAST_HEALTH_CHECKS = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "3000",
-    "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "4",
 }
-"""The head marks a silent node dead within about 5-15 s (Ray's defaults: 30 s or more)."""
+"""The head marks a silent node dead after 4 missed checks, one a second, each given 2 s: within about
+5-10 s (Ray's defaults: 30 s or more)."""
 
 
 @dataclass
@@ -221,10 +241,12 @@ def ray_cluster(
     cluster = RayCluster(hosts=tuple(hosts), address=f"{hosts[0].ip}:{port}", env=env, temp_dir=temp)
     try:
         cluster.start_node(
-            hosts[0], num_cpus=cpus[0], head=True, extra_env=health_checks or FAST_HEALTH_CHECKS
+            hosts[0],
+            num_cpus=cpus[0],
+            head=True,
+            extra_env=FAST_HEALTH_CHECKS if health_checks is None else health_checks,
         )
-        cluster.wait_for_nodes(1)
-        for host, n in zip(hosts[1:], cpus[1:], strict=True):
+        for host, n in zip(hosts[1:], cpus[1:], strict=True):  # (they wait for the head to come up)
             cluster.start_node(host, num_cpus=n)
         cluster.wait_for_nodes(len(hosts))
         yield cluster

@@ -30,7 +30,8 @@ class GroupShape(Section):
     """How many Ray processes a learner group runs: nodes x devices per node data-parallel ranks."""
 
     num_nodes: int = Field(1, ge=1)
-    """Nodes of the group: ranks = num_nodes x num_devices_per_node (Ray packs them onto as few nodes as fit)."""
+    """Nodes of the group: ranks = num_nodes x num_devices_per_node. Above 1, the ranks span exactly that many
+    nodes, num_devices_per_node on each (refused on a cluster with fewer); 1: packed onto as few as fit."""
     num_devices_per_node: int = Field(1, ge=1)
     """Processes (one GPU each on GPU clusters) per node."""
 

@@ -15,10 +15,17 @@ def colocate(groups: list[GroupPlan], sets: list[tuple[str, ...]]) -> list[Group
     """``groups`` with each set in ``sets`` on one placement group: the set's group with the most
     processes hosts it (its bundles hold every member's claim); process ``i`` of each member sits on the
     host's bundle ``i`` (so rank ``i`` of the actor and engine ``i`` share a GPU) and claims
-    ``1 / len(set)`` of it. ConfigError when a member has more processes than the host has bundles."""
+    ``1 / len(set)`` of it. ConfigError when a member has more processes than the host has bundles, or
+    spans nodes (``--<group>.num_nodes`` > 1)."""
     by_name = {g.name: g for g in groups}
     for names in sets:
         members = [by_name[n] for n in names]
+        spanning = [g.name for g in members if g.nodes > 1]
+        if spanning:
+            raise ConfigError(
+                f"--train.colocate_*: --{spanning[0]}.num_nodes > 1 spreads {spanning[0]} over nodes; colocated "
+                "groups share one placement group's bundles on one node each (drop the colocation or num_nodes)"
+            )
         host = max(members, key=lambda g: g.processes)
         for g in members:
             if g.bundle != members[0].bundle:

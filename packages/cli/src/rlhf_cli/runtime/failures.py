@@ -116,28 +116,35 @@ def describe_death(err: BaseException, names: Mapping[str, str]) -> str:
     return f"{who} died{f' ({place})' if place else ''}: {why}"
 
 
-def lost_host(err: BaseException, names: Mapping[str, str]) -> str | None:
+def lost_host(err: BaseException, names: Mapping[str, str], *, wait_s: float = 10.0) -> str | None:
     """When the dead actor's Ray node is gone (its host crashed or dropped off the network), one line
     naming the host and which of the run's actors (``names``) were on it; None when the node is alive
-    (the process alone died) or Ray cannot tell."""
+    (the process alone died) or Ray cannot tell. An actor that is only unreachable may be reported
+    before the head has declared its node dead: the node is watched for up to ``wait_s``."""
     import ray
+    from ray.exceptions import ActorUnavailableError
 
     try:
         from ray._private import state
 
-        actor_id = str(getattr(err, "actor_id", None) or "")
-        node = state.actors(actor_id)["Address"] if actor_id else None
-        if node is None or not node["NodeID"]:
+        table = state.actors()  # one read of the cluster's actor table: id -> info
+        address = table.get(str(getattr(err, "actor_id", None) or ""), {}).get("Address") or {}
+        node = address.get("NodeID")
+        if not node:
             return None
-        lost = next((n for n in ray.nodes() if n["NodeID"] == node["NodeID"] and not n["Alive"]), None)
-        if lost is None:
-            return None
-        on_it = [
-            name for aid, name in names.items() if state.actors(aid)["Address"]["NodeID"] == node["NodeID"]
-        ]
+        deadline = time.monotonic() + (wait_s if isinstance(err, ActorUnavailableError) else 0.0)
+        while (
+            lost := next((n for n in ray.nodes() if n["NodeID"] == node and not n["Alive"]), None)
+        ) is None:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
     except Exception:  # the cluster's state cannot be read: the death is told without it
         return None
-    ip = lost.get("NodeManagerAddress") or node["IPAddress"]
+    on_it = [
+        name for aid, name in names.items() if table.get(aid, {}).get("Address", {}).get("NodeID") == node
+    ]
+    ip = lost.get("NodeManagerAddress") or address.get("IPAddress")
     why = " ".join(str(lost.get("DeathReasonMessage") or "").split())
     listed = ", ".join(on_it) or "none of the run's named processes"
-    return f"host {ip} was lost (Ray node {node['NodeID'][:12]}{f': {why}' if why else ''}); on it: {listed}"
+    return f"host {ip} was lost (Ray node {node[:12]}{f': {why}' if why else ''}); on it: {listed}"

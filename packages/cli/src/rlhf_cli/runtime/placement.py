@@ -188,7 +188,8 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
 def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: RayConfig) -> None:
     """On GPU of known size, the processes sharing a GPU (``--ray.gpus_per_worker`` < 1) add up: packed in
     the plan's order, floor(1 / gpus_per_worker) per GPU, as the placement groups are created in that
-    order and each packs its bundles. ConfigError for the first GPU whose processes do not fit."""
+    order and each packs its bundles (groups spanning nodes are placed first: an estimate for them).
+    ConfigError for the first GPU whose processes do not fit."""
     device = resources.gpu_memory_gib
     if resources.gpus == 0 or device is None:
         return

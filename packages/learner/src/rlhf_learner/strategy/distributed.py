@@ -107,7 +107,8 @@ def _join_bound_to_master(backend: str, timeout: timedelta) -> None:
 
 
 def interface_towards(addr: str) -> str | None:
-    """The network interface this host reaches ``addr`` through (``lo`` for a loopback or own address):
+    """The network interface this host reaches ``addr`` through (``lo`` for a loopback address; for one
+    of this host's own, the interface that holds it):
     gloo's connections are made there. Left to itself, gloo binds the address this host's name resolves
     to, which need not be on the link to the other ranks (a host whose name maps to 127.0.0.1 would
     offer its peers a loopback address). None when it cannot be told."""
