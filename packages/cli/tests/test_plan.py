@@ -322,6 +322,8 @@ def test_a_group_spans_exactly_its_num_nodes_and_is_refused_on_fewer_or_colocate
     with pytest.raises(ConfigError, match=r"--actor.num_nodes 2: the group spans 2 nodes, the cluster has 1"):
         make_plan(cfg, CPU)
     colocated = ppo("--actor.pretrain", model, "--actor.num_nodes", "2", "--algo.kl.coef", "0.01")
-    colocated = colocated.model_copy(update={"train": cfg.train.model_copy(update={"colocate_actor_ref": True})})
+    colocated = colocated.model_copy(
+        update={"train": cfg.train.model_copy(update={"colocate_actor_ref": True})}
+    )
     with pytest.raises(ConfigError, match=r"--train.colocate_\*: --actor.num_nodes > 1"):
         make_plan(colocated, two_nodes)
