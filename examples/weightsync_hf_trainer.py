@@ -88,7 +88,10 @@ def free_port() -> int:
 def main(workdir: Path | None = None) -> dict:
     from rlhf_testkit import build_tiny_model
 
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="hf-trainer-sync-"))
+    if workdir is None:  # a folder of its own, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="hf-trainer-sync-") as tmp:
+            return main(Path(tmp))
+    workdir = Path(workdir)
     model_dir = str(build_tiny_model(workdir / "model"))
     port = free_port()
     ctx = mp.get_context("spawn")
