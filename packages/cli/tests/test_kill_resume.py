@@ -15,9 +15,6 @@ printed)."""
 from __future__ import annotations
 
 import json
-import os
-import random
-import time
 
 import pytest
 from rlhf_cli.config import SFTConfig, build_config
@@ -27,6 +24,7 @@ from rlhf_cli.runtime.checkpoint import RunFinished
 from rlhf_testkit.commands import (
     Driver,
     assert_died_naming,
+    kill_steps_rng,
     kill_while_checkpointing,
     kill_worker,
     rows,
@@ -34,14 +32,12 @@ from rlhf_testkit.commands import (
     training_metrics,
 )
 
-SEED = int(os.environ.get("RLHF_KILL_SEED", time.time_ns() % 10_000))
 QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
 
 
 @pytest.fixture(scope="module")
 def rng():
-    print(f"kill steps drawn with RLHF_KILL_SEED={SEED}")
-    return random.Random(SEED)
+    return kill_steps_rng()
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ The kill steps are drawn at random (``RLHF_KILL_SEED`` is printed).
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from rlhf_testkit.commands import (
     assert_died_naming,
     failed_within,
     freeze_in_call,
+    kill_steps_rng,
     kill_worker,
     ray_workers,
     rows,
@@ -41,15 +40,13 @@ from rlhf_testkit.commands import (
 )
 from rlhf_testkit.hosts import RayCluster
 
-SEED = int(os.environ.get("RLHF_KILL_SEED", time.time_ns() % 10_000))
 QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
 ACROSS = ["--ray.cpus_per_worker", "1"]  # host A (1 CPU) holds one rank; host B (2) a rank and the engine
 
 
 @pytest.fixture(scope="module")
 def rng():
-    print(f"kill steps drawn with RLHF_KILL_SEED={SEED}")
-    return random.Random(SEED)
+    return kill_steps_rng()
 
 
 def on_both_hosts(d: Driver, cluster: RayCluster, kind: str, only: int | None = None) -> None:

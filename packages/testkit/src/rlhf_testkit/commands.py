@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ __all__ = [
     "assert_died_naming",
     "failed_within",
     "freeze_in_call",
+    "kill_steps_rng",
     "kill_while_checkpointing",
     "kill_worker",
     "ray_workers",
@@ -31,6 +33,14 @@ __all__ = [
 ]
 
 BIN = Path(sys.executable).parent
+
+
+def kill_steps_rng() -> random.Random:
+    """Where kill tests draw their kill steps from: seeded by ``RLHF_KILL_SEED`` (to replay a run), else
+    by the clock; the seed is printed either way."""
+    seed = int(os.environ.get("RLHF_KILL_SEED", time.time_ns() % 10_000))
+    print(f"kill steps drawn with RLHF_KILL_SEED={seed}")
+    return random.Random(seed)
 
 
 def rows(run_dir: Path) -> list[dict]:
