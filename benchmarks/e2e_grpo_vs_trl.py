@@ -54,7 +54,7 @@ def run_ours(model: str, root: Path, steps: int) -> dict:
     }
 
 
-def run_trl(model: str, root: Path, steps: int, bf16: bool) -> dict:
+def run_trl(model: str, root: Path, steps: int, bf16: bool, compile_: bool, attn: str) -> dict:
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -90,10 +90,11 @@ def run_trl(model: str, root: Path, steps: int, bf16: bool) -> dict:
         use_cpu=True,
         bf16=bf16,
         gradient_checkpointing=False,
+        torch_compile=compile_,
         seed=0,
     )
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(str(folder)),
+        model=AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation=attn),
         reward_funcs=reward,
         args=config,
         train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in work.prompt_texts()]),
@@ -140,6 +141,8 @@ def main() -> None:
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trl-bf16", default="true", help="TRL's bf16 autocast (its fastest CPU setting at 23M)")
+    p.add_argument("--trl-compile", default="false", help="TRL's torch_compile (Trainer's torch.compile)")
+    p.add_argument("--trl-attn", default="sdpa", help="the attention kernel of TRL's model (sdpa or eager)")
     p.add_argument("--ours-flags", default="", help='extra rlhf ppo flags, e.g. "--ds.precision bf16"')
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
@@ -148,20 +151,26 @@ def main() -> None:
     _summary.add_argument(p)
     a = p.parse_args()
     bf16 = a.trl_bf16.lower() == "true"
+    trl_compile = a.trl_compile.lower() == "true"
     OURS_FLAGS.extend(a.ours_flags.split())
     if a.worker:
         root = Path(a.root)
         r = (
             run_ours(a.models, root, a.steps)
             if a.worker == "ours"
-            else run_trl(a.models, root, a.steps, bf16)
+            else run_trl(a.models, root, a.steps, bf16, trl_compile, a.trl_attn)
         )
         Path(a.out).write_text(json.dumps(r))
         return
     results = {}
     for model in a.models.split(","):
         results[model] = {
-            "trl": in_subprocess("trl", model, a.steps, ["--trl-bf16", a.trl_bf16]),
+            "trl": in_subprocess(
+                "trl",
+                model,
+                a.steps,
+                ["--trl-bf16", a.trl_bf16, "--trl-compile", a.trl_compile, "--trl-attn", a.trl_attn],
+            ),
             "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={a.ours_flags}"]),
         }
     print(

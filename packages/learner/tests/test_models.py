@@ -172,3 +172,47 @@ def test_ring_attention_group_travels_with_the_model_and_survives_copies(tiny_mo
     assert getattr(layers[0], _GROUP_ATTR).group is group
     restored = pickle.loads(pickle.dumps(model))
     assert getattr(restored, _GROUP_ATTR).group is None
+
+
+def test_compiled_actor_matches_eager_on_packed_rows_of_changing_shape(tiny_model_dir):
+    """``ModelOptions(compile=True)``: the same log-probs and gradients as the eager model, on packed rows
+    whose count and width change between calls, from one dynamic graph (no recompile per shape)."""
+    from torch._dynamo.utils import counters
+
+    def rows(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(3, 400, (n, width), generator=torch.Generator().manual_seed(width))
+        cut = width // 3  # two packed sequences per row
+        pos = torch.cat([torch.arange(cut), torch.arange(width - cut)]).expand(n, width)
+        return ids, pos
+
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        options = ModelOptions(attn_implementation="eager", compile=compiled)
+        actor = Actor(load_causal_lm(tiny_model_dir, options=options))
+        actor.train()
+        out = []
+        for n, width in ((3, 12), (2, 17), (4, 9)):
+            ids, pos = rows(n, width)
+            logp = actor(ids, position_ids=pos).logp
+            logp.sum().backward()
+            out.append(logp.detach())
+        out.append({n: p.grad.clone() for n, p in actor.named_parameters()})
+        results.append(out)
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+    for eager, comp in zip(results[0][:3], results[1][:3], strict=True):
+        torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
+    for n, g in results[0][3].items():
+        torch.testing.assert_close(results[1][3][n], g, atol=1e-4, rtol=1e-4)
+
+
+def test_compile_with_zero3_is_refused_naming_the_option(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"^compile: .*zero_stage <= 2"):
+        load_causal_lm(
+            tiny_model_dir,
+            options=ModelOptions(compile=True),
+            ds_config={"zero_optimization": {"stage": 3}},
+        )

@@ -27,7 +27,25 @@ def test_config_carries_every_option():
     assert cfg["gradient_clipping"] == 0.5
     assert cfg["optimizer"]["type"] == "AdamW"
     assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert cfg["optimizer"]["params"]["fused"] is True  # torch's one-kernel AdamW
     assert cfg["optimizer"]["params"]["lr"] == 3e-4 and cfg["optimizer"]["params"]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "keep_zero", "stage"),
+    [
+        (1, {"zero_stage": 2}, False, 0),  # one rank: nothing to shard
+        (1, {"zero_stage": 1}, False, 0),
+        (1, {"zero_stage": 3}, False, 3),  # ZeRO-3 may offload parameters: kept
+        (1, {"zero_stage": 2, "offload_optimizer": True}, False, 2),  # offload needs its stage
+        (1, {"zero_stage": 2}, True, 2),  # offload_states for colocated engines needs one too
+        (2, {"zero_stage": 2}, False, 2),
+    ],
+)
+def test_a_one_rank_group_runs_zero_1_and_2_as_stage_0(world, kwargs, keep_zero, stage):
+    opts = StrategyOptions(**kwargs).for_world(world, keep_zero=keep_zero)
+    assert opts.zero_stage == stage
+    assert build_ds_config(opts)["zero_optimization"]["stage"] == stage
 
 
 def test_inference_config_has_no_optimizer_and_no_clipping():

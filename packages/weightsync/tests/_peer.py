@@ -4,8 +4,8 @@ Config keys: transport, port, rank, world, timeout, out (folder), syncs (number 
 optionally ``tamper`` ({"sync": k, "bucket": i, "offset": byte}) to flip one byte of a bucket as it
 arrives, ``die`` ({"sync": k}) to exit abruptly after the first tensor of sync k, ``threads``,
 ``device`` (for the GPU transports).
-For each sync it writes ``rank{r}_sync{k}.pt`` with the stats and clones of every received tensor,
-or the error it raised.
+For each sync it writes ``rank{r}_sync{k}.pt`` with the stats, clones of every received tensor and
+torch's thread count during the load and after the sync, or the error it raised.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def main(cfg: dict) -> None:
             receiver.transport.tamper = None
         got: dict[str, torch.Tensor] = {}
 
-        def load(named, k=k, got=got):
+        threads: list[int] = []
+
+        def load(named, k=k, got=got, threads=threads):
+            threads.append(torch.get_num_threads())
             for name, tensor in named:
                 got[name] = tensor.clone()
                 if die and die["sync"] == k:
@@ -55,7 +58,8 @@ def main(cfg: dict) -> None:
         except Exception as exc:
             torch.save({"error": f"{type(exc).__name__}: {exc}"}, path)
             continue
-        torch.save({"stats": dataclasses.asdict(stats), "tensors": got}, path)
+        threads.append(torch.get_num_threads())  # [during the load, after the sync]
+        torch.save({"stats": dataclasses.asdict(stats), "tensors": got, "threads": threads}, path)
     receiver.close()
 
 

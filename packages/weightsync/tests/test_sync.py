@@ -4,6 +4,7 @@ small mixed-dtype tensors, and tensors larger than a bucket; versions bump."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -110,3 +111,32 @@ def test_every_receiver_gets_the_senders_tensors(transport, receivers, peers, fr
                 assert got[name].dtype == want.dtype, (rank, k, name)
                 assert got[name].shape == want.shape, (rank, k, name)
                 assert torch.equal(got[name], want), (rank, k, name)
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_a_cpu_sync_runs_one_torch_thread_per_side_and_restores_them(transport, peers, free_port):
+    """Sender and receiver copy at once: each side packs, checks and loads on one thread (two each would
+    oversubscribe shared cores), and gets its thread count back afterwards."""
+    port = free_port()
+    peers.spawn(transport=transport, port=port, rank=1, world=2, syncs=1, threads=2)
+    sender = WeightSender(
+        transport=transport, master_addr="127.0.0.1", master_port=port, world_size=2, timeout_s=30
+    )
+    seen: list[int] = []
+
+    @contextlib.contextmanager
+    def gather(_params):  # called while each bucket is packed
+        seen.append(torch.get_num_threads())
+        yield
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sender.send([("w", torch.randn(1000))], gather=gather)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+        sender.close()
+    assert peers.join() == [0]
+    assert seen and set(seen) == {1} and after == 2
+    assert peers.result(1, 0)["threads"] == [1, 2]

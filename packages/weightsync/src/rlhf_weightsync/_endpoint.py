@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Self
 
 import torch
@@ -11,6 +13,10 @@ from rlhf_weightsync.protocol import TRANSPORTS, Transport, TransportName
 from rlhf_weightsync.transport import open_transport
 
 __all__ = ["Endpoint", "check_transport_name"]
+
+
+CPU_TRANSPORTS = ("shm", "gloo")
+"""Transports whose copies and checksums run on CPU threads."""
 
 
 def check_transport_name(transport: str) -> None:
@@ -36,9 +42,26 @@ class Endpoint:
         except BaseException:
             rdv.close()  # the sender would keep its store's port bound
             raise
+        self._cpu = transport in CPU_TRANSPORTS
         self._sync = 0
         self._closed = False
         self._broken: str | None = None
+
+    @contextlib.contextmanager
+    def _sync_threads(self) -> Iterator[None]:
+        """Torch's intra-op threads at one during a CPU sync. The sender and its receivers copy and
+        checksum at the same time, each with the threads its process was given for other work; on shared
+        cores a second thread per side oversubscribes them, and each parallel copy then waits for a thread
+        that is not running (a 23M-parameter sync on 2 cores: see the package README)."""
+        before = torch.get_num_threads()
+        if not self._cpu or before == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     @property
     def transport(self) -> Transport:

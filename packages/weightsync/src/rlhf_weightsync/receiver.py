@@ -97,7 +97,8 @@ class WeightReceiver(Endpoint):
             scratch=self._scratch,
             target_for=getattr(load_fn, "target_for", None),
         )
-        error = self._load(load_fn, stream)
+        with self._sync_threads():
+            error = self._load(load_fn, stream)
         self._finish(error)
         if error is not None:
             raise error

@@ -118,7 +118,8 @@ class WeightSender(Endpoint):
             version=version, bucket_bytes=self.bucket_bytes, tensors=tuple(specs), buckets=buckets
         )
         sync = self._sync
-        self._ship(manifest, specs, sources, gather)
+        with self._sync_threads():
+            self._ship(manifest, specs, sources, gather)
         failures = self._finish(version)
         if failures:
             raise WeightSyncError(f"sync {sync} (version {version}) failed on " + "; ".join(failures))

@@ -11,7 +11,9 @@ from torch import nn
 from rlhf_learner.models.loading import (
     ModelOptions,
     attn_implementation,
+    check_compile,
     check_model_dir,
+    compile_model,
     input_positions,
     zero3_construction,
 )
@@ -55,6 +57,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     options = options or ModelOptions()
+    check_compile(options, ds_config)
     cfg = check_model_dir(path, need_tokenizer=False)
     if options.liger:
         from liger_kernel.transformers import AutoLigerKernelForCausalLM
@@ -81,11 +84,12 @@ def load_causal_lm(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if options.gradient_checkpointing:
         model.config.use_cache = False
-    if lora is None:
-        return model
-    from rlhf_learner.lora import apply_lora
+    if lora is not None:
+        from rlhf_learner.lora import apply_lora
 
-    return apply_lora(model, lora)
+        model = apply_lora(model, lora)
+    compile_model(model, options)
+    return model
 
 
 class Actor(nn.Module):

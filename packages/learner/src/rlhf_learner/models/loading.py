@@ -15,8 +15,10 @@ import torch
 __all__ = [
     "ModelOptions",
     "attn_implementation",
+    "check_compile",
     "check_model_dir",
     "check_sequence_length",
+    "compile_model",
     "input_positions",
     "zero3_construction",
 ]
@@ -36,6 +38,11 @@ class ModelOptions:
     """Patch the model with liger-kernel's fused Triton kernels (GPU + liger-kernel)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Weight dtype at load time."""
+    compile: bool = False
+    """``torch.compile`` the model (inductor, dynamic shapes): fused kernels in forward and backward, after
+    a one-off compile in the first step (cached on disk under ``TORCHINDUCTOR_CACHE_DIR``). Not with
+    ZeRO-3. On CPU pair it with ``attn_implementation='eager'``, which inductor fuses (sdpa's CPU kernels
+    stay opaque to it, and their backward is slow in bf16)."""
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
@@ -113,6 +120,22 @@ def check_sequence_length(config: Any, length: int, *, what: str = "input_ids") 
 def attn_implementation(config: Any) -> str | None:
     """The attention kernel a loaded transformers model runs (``sdpa``, ``eager``, ``flash_attention_2``...)."""
     return getattr(config, "_attn_implementation", None)
+
+
+def check_compile(options: ModelOptions, ds_config: dict[str, Any] | None) -> None:
+    """Refuse ``options.compile`` under ZeRO-3 (before anything loads)."""
+    if options.compile and ds_config and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        raise ValueError(
+            "compile: torch.compile does not trace ZeRO-3's parameter gathering; use zero_stage <= 2"
+        )
+
+
+def compile_model(model: torch.nn.Module, options: ModelOptions) -> None:
+    """``torch.compile`` ``model`` in place when ``options.compile`` (``Module.compile``: the module and its
+    state-dict keys stay as they are). Dynamic shapes from the start: the rows' count and width change
+    every step, and one dynamic graph compiles once where static ones would recompile per shape."""
+    if options.compile:
+        model.compile(dynamic=True)
 
 
 def input_positions(

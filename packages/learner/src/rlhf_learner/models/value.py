@@ -16,7 +16,9 @@ from torch import nn
 from rlhf_learner.models.loading import (
     ModelOptions,
     attn_implementation,
+    check_compile,
     check_model_dir,
+    compile_model,
     input_positions,
     zero3_construction,
 )
@@ -139,6 +141,7 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
     from transformers import AutoModelForSequenceClassification
 
     options = options or ModelOptions()
+    check_compile(options, ds_config)
     cfg = check_model_dir(path, need_causal_lm=False, need_tokenizer=False)
     archs = cfg.get("architectures") or []
     if not any(a.endswith(("ForCausalLM", "ForSequenceClassification")) for a in archs):
@@ -156,6 +159,7 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
         model.config.pad_token_id = cfg.get("eos_token_id")
     if options.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compile_model(model, options)
     return model
 
 
