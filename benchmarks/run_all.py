@@ -47,7 +47,7 @@ BENCHES = (
     Bench("ppo_async_cpu", ("--steps", "6", "--modes", "sync unpinned,async eta=1"), 600),
     Bench(
         "e2e_grpo_vs_trl",
-        ("--models", "tiny,small", "--steps", "6", "--ours-flags=--ds.precision bf16"),
+        ("--models", "tiny,small", "--steps", "6"),
         900,
         needs="trl",
     ),
