@@ -36,17 +36,19 @@ import _summary
 BEST: dict[str, dict[str, Any]] = {
     "tiny": {
         "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
-        "ours": "--ds.precision bf16",
+        "ours": "--ds.precision bf16 --ds.zero_stage 0",
     },
     "small": {
         "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
-        "ours": "--ds.precision bf16 --actor.model.compile true --actor.model.attn_implementation eager",
+        "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.compile true "
+        "--actor.model.attn_implementation eager",
     },
 }
 """Each framework's fastest setting per model on the 2-core machine (median s/step of 8 steps, one run each):
 TRL at 0.4M: fp32 + sdpa 0.24 s (bf16 + eager 0.29, fp32 + eager 0.25, bf16 + sdpa 0.34); at 23M: bf16 +
 torch_compile + eager 2.8-3.1 s (compile + sdpa 3.2, eager 3.3, bf16 + sdpa 3.5). Ours at 0.4M: bf16 0.32 s
-(fp32 0.37; compiling the learner does not pay at that size); at 23M: bf16 + compile + eager 1.3-1.4 s."""
+(fp32 0.37; compiling the learner does not pay at that size); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
+with ZeRO stage 0: one learner rank has nothing to shard, and ZeRO-2's step bookkeeping cost 0.3 s at 23M."""
 
 OURS_FLAGS: list[str] = []
 """Extra `rlhf ppo` flags of the worker (--ours-flags)."""
@@ -153,6 +155,17 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def trl_settings(model: str, a: argparse.Namespace) -> dict[str, Any]:
+    """TRL's settings for ``model``: each flag, or BEST's where it says ``best``."""
+    best = BEST[model]["trl"]
+    pick = lambda flag, key: (best[key] if flag == "best" else flag).lower()  # noqa: E731
+    return {
+        "bf16": pick(a.trl_bf16, "bf16") == "true",
+        "compile_": pick(a.trl_compile, "compile") == "true",
+        "attn": pick(a.trl_attn, "attn"),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,small")
@@ -169,28 +182,30 @@ def main() -> None:
     p.add_argument("--root")
     _summary.add_argument(p)
     a = p.parse_args()
+    unknown = set(a.models.split(",")) - set(BEST)
+    if unknown:
+        raise SystemExit(
+            f"--models: no best settings for {', '.join(sorted(unknown))}; known: {', '.join(BEST)}"
+        )
     if a.worker:
-        OURS_FLAGS.extend(a.ours_flags.split())
+        OURS_FLAGS.extend((BEST[a.models]["ours"] if a.ours_flags == "best" else a.ours_flags).split())
         root = Path(a.root)
         r = (
             run_ours(a.models, root, a.steps)
             if a.worker == "ours"
-            else run_trl(a.models, root, a.steps, a.trl_bf16 == "true", a.trl_compile == "true", a.trl_attn)
+            else run_trl(a.models, root, a.steps, **trl_settings(a.models, a))
         )
         Path(a.out).write_text(json.dumps(r))
         return
     results, settings = {}, {}
     for model in a.models.split(","):
-        best = BEST.get(model, BEST["small"])
-        trl = {
-            k: best["trl"][k] if v == "best" else v.lower()
-            for k, v in (("bf16", a.trl_bf16), ("compile", a.trl_compile), ("attn", a.trl_attn))
-        }
+        best = BEST[model]
+        trl = {k: str(v).lower() for k, v in trl_settings(model, a).items()}
         ours = best["ours"] if a.ours_flags == "best" else a.ours_flags
-        settings[model] = f"TRL bf16={trl['bf16']} torch_compile={trl['compile']} attn={trl['attn']}; " + (
+        settings[model] = f"TRL bf16={trl['bf16']} torch_compile={trl['compile_']} attn={trl['attn']}; " + (
             f"rlhf ppo {ours or 'defaults'}"
         )
-        trl_args = ["--trl-bf16", trl["bf16"], "--trl-compile", trl["compile"], "--trl-attn", trl["attn"]]
+        trl_args = ["--trl-bf16", trl["bf16"], "--trl-compile", trl["compile_"], "--trl-attn", trl["attn"]]
         results[model] = {
             "trl": in_subprocess("trl", model, a.steps, trl_args),
             "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={ours}"]),

@@ -75,6 +75,10 @@ def test_dotted_flags_fill_the_tree_with_types():
         (["--rollout.top_p", "0.9", "--algo.is_correction.mode", "tis"], "no importance weight"),
         (["--train.agent_func_path", "a.py", "--reward.func", "r.py"], "the agent file is the reward source"),
         (["--algo.loss_agg", "seq-mean-token-sum-norm"], "add --train.packing false"),
+        (
+            ["--actor.model.compile", "true", "--ds.zero_stage", "3"],
+            "--actor.model.compile with --ds.zero_stage 3",
+        ),
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_them(args, expected):

@@ -209,6 +209,24 @@ def test_compiled_actor_matches_eager_on_packed_rows_of_changing_shape(tiny_mode
         torch.testing.assert_close(results[1][3][n], g, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_critic_runs_its_trunk_compiled_and_matches_eager(tiny_model_dir):
+    """The critic calls its trunk and head apart: compile reaches the trunk (a graph is compiled)."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, 400, (2, 11), generator=torch.Generator().manual_seed(7))
+    values = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        options = ModelOptions(attn_implementation="eager", compile=compiled)
+        torch.manual_seed(0)  # the same fresh value head both times
+        with torch.no_grad():
+            values.append(load_critic(tiny_model_dir, options=options)(ids))
+        assert (counters["stats"]["unique_graphs"] >= 1) == compiled
+    torch._dynamo.reset()
+    torch.testing.assert_close(values[1], values[0], atol=1e-4, rtol=1e-4)
+
+
 def test_compile_with_zero3_is_refused_naming_the_option(tiny_model_dir):
     with pytest.raises(ValueError, match=r"^compile: .*zero_stage <= 2"):
         load_causal_lm(

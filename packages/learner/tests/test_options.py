@@ -31,23 +31,6 @@ def test_config_carries_every_option():
     assert cfg["optimizer"]["params"]["lr"] == 3e-4 and cfg["optimizer"]["params"]["weight_decay"] == 0.1
 
 
-@pytest.mark.parametrize(
-    ("world", "kwargs", "keep_zero", "stage"),
-    [
-        (1, {"zero_stage": 2}, False, 0),  # one rank: nothing to shard
-        (1, {"zero_stage": 1}, False, 0),
-        (1, {"zero_stage": 3}, False, 3),  # ZeRO-3 may offload parameters: kept
-        (1, {"zero_stage": 2, "offload_optimizer": True}, False, 2),  # offload needs its stage
-        (1, {"zero_stage": 2}, True, 2),  # offload_states for colocated engines needs one too
-        (2, {"zero_stage": 2}, False, 2),
-    ],
-)
-def test_a_one_rank_group_runs_zero_1_and_2_as_stage_0(world, kwargs, keep_zero, stage):
-    opts = StrategyOptions(**kwargs).for_world(world, keep_zero=keep_zero)
-    assert opts.zero_stage == stage
-    assert build_ds_config(opts)["zero_optimization"]["stage"] == stage
-
-
 def test_inference_config_has_no_optimizer_and_no_clipping():
     cfg = build_ds_config(StrategyOptions(zero_stage=3, offload_params=True), train=False)
     assert "optimizer" not in cfg and "gradient_clipping" not in cfg

@@ -10,13 +10,10 @@ import torch
 
 from rlhf_weightsync._rendezvous import Rendezvous
 from rlhf_weightsync.protocol import TRANSPORTS, Transport, TransportName
+from rlhf_weightsync.selection import CPU_TRANSPORTS
 from rlhf_weightsync.transport import open_transport
 
 __all__ = ["Endpoint", "check_transport_name"]
-
-
-CPU_TRANSPORTS = ("shm", "gloo")
-"""Transports whose copies and checksums run on CPU threads."""
 
 
 def check_transport_name(transport: str) -> None:
@@ -52,7 +49,9 @@ class Endpoint:
         """Torch's intra-op threads at one during a CPU sync. The sender and its receivers copy and
         checksum at the same time, each with the threads its process was given for other work; on shared
         cores a second thread per side oversubscribes them, and each parallel copy then waits for a thread
-        that is not running (a 23M-parameter sync on 2 cores: see the package README)."""
+        that is not running (a 23M-parameter sync on 2 cores: see the package README). ``torch.set_num_threads``
+        is process-wide: other threads of the process that start parallel work during a sync get one
+        thread too."""
         before = torch.get_num_threads()
         if not self._cpu or before == 1:
             yield

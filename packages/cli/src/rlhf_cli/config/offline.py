@@ -198,6 +198,10 @@ class OfflineConfig(Section):
                 "--ds.sequence_parallel_size / --ds.tensor_parallel_size: rlhf rm's reward model runs neither "
                 "(sequence and tensor parallelism are for policies and references)"
             )
+        if self.model.options.compile and self.ds.zero_stage == 3:
+            raise ValueError(
+                "--model.options.compile with --ds.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
+            )
         lora = getattr(self, "lora", None)
         if lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")

@@ -249,6 +249,11 @@ class PPOConfig(Section):
             )
         if self.actor.lora is not None and self.ds.zero_stage == 3:
             raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            if group.model.compile and self.ds.zero_stage == 3:
+                raise ValueError(
+                    f"--{name}.model.compile with --ds.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
+                )
         if self.vllm.tensor_parallel_size > 1 and self.rollout.backend != "vllm":
             raise ValueError("--vllm.tensor_parallel_size > 1 needs --rollout.backend vllm")
         return self

@@ -108,7 +108,6 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Grou
             grad_accum_steps=cfg.grad_accum_steps,
             seed=cfg.train.seed,
             frozen=frozen,
-            world_size=world,
             lr_schedule=None if frozen else cfg.model.lr_schedule(cfg.learning_rate, steps),
         )
 

@@ -68,9 +68,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             grad_accum_steps=per_rank,
             seed=cfg.train.seed,
             frozen=frozen,
-            world_size=world,
             lr_schedule=trained.lr_schedule(lr, total) if trained is not None else None,
-            keep_zero=cfg.train.offload_during_rollout,
         )
 
     a, t = cfg.actor, cfg.rollout.temperature

@@ -131,13 +131,10 @@ def group_strategy(
     grad_accum_steps: int,
     seed: int,
     frozen: bool,
-    world_size: int,
     lr_schedule: LRSchedule | None = None,
-    keep_zero: bool = False,
 ) -> StrategyOptions:
     """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
-    model) runs as ``StrategyOptions.for_inference`` says, a trained one as ``for_world`` says (one rank:
-    ZeRO-1/2 run as stage 0 unless ``keep_zero``)."""
+    model) runs as ``StrategyOptions.for_inference`` says."""
     from dataclasses import replace
 
     options = replace(
@@ -148,4 +145,4 @@ def group_strategy(
         seed=seed,
         lr_schedule=lr_schedule or LRSchedule(),
     )
-    return options.for_inference() if frozen else options.for_world(world_size, keep_zero=keep_zero)
+    return options.for_inference() if frozen else options

@@ -159,7 +159,7 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
         model.config.pad_token_id = cfg.get("eos_token_id")
     if options.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compile_model(model, options)
+    compile_model(model.base_model, options)  # the trunk: Critic.values calls it and the head apart
     return model
 
 

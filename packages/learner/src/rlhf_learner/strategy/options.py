@@ -90,16 +90,6 @@ class StrategyOptions:
         if self.tensor_parallel_size > 1:
             _require_autotp()
 
-    def for_world(self, world_size: int, *, keep_zero: bool = False) -> StrategyOptions:
-        """These options for a trained group of ``world_size`` ranks. With one rank, ZeRO-1/2 have nothing
-        to shard: they run as stage 0 (DeepSpeed without partitions; in bf16 still with fp32 master weights
-        and gradients), whose optimizer step skips the partition bookkeeping (flattening, overflow check,
-        norm: a quarter of a 23M-parameter update on 2 CPU cores). Kept: optimizer offload (it needs a ZeRO
-        stage), and ``keep_zero`` (DeepSpeed's ``offload_states``, for colocated engines, needs one too)."""
-        if world_size == 1 and self.zero_stage in (1, 2) and not (self.offload_optimizer or keep_zero):
-            return replace(self, zero_stage=0)
-        return self
-
     def for_inference(self) -> StrategyOptions:
         """These options for a frozen model (reference, reward model: no optimizer or gradients).
 
