@@ -16,6 +16,7 @@ from rlhf_learner.models.loading import (
     compile_model,
     input_positions,
     zero3_construction,
+    zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
 from rlhf_learner.packing import for_kernel
@@ -68,7 +69,7 @@ def load_causal_lm(
     if lora is not None and lora.load_in_4bit:
         from rlhf_learner.lora import check_4bit, load_qlora_base
 
-        check_4bit(zero_stage=(ds_config or {}).get("zero_optimization", {}).get("stage"))
+        check_4bit(zero_stage=zero_stage(ds_config))
         model = load_qlora_base(
             path,
             attn_implementation=options.attn_implementation,

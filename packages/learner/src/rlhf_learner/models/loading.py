@@ -21,6 +21,7 @@ __all__ = [
     "compile_model",
     "input_positions",
     "zero3_construction",
+    "zero_stage",
 ]
 
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
@@ -122,9 +123,14 @@ def attn_implementation(config: Any) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+def zero_stage(ds_config: dict[str, Any] | None) -> int:
+    """The ZeRO stage a DeepSpeed config dict asks for (0 without one)."""
+    return int((ds_config or {}).get("zero_optimization", {}).get("stage", 0))
+
+
 def check_compile(options: ModelOptions, ds_config: dict[str, Any] | None) -> None:
     """Refuse ``options.compile`` under ZeRO-3 (before anything loads)."""
-    if options.compile and ds_config and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+    if options.compile and zero_stage(ds_config) == 3:
         raise ValueError(
             "compile: torch.compile does not trace ZeRO-3's parameter gathering; use zero_stage <= 2"
         )
@@ -164,7 +170,7 @@ def zero3_construction(ds_config: dict[str, Any] | None, model_type: str) -> Ite
     ``torch._dynamo`` and the model's transformers module are imported *before* that: imported inside
     ``zero.Init`` they fail with a signature mismatch. For other stages it does nothing.
     """
-    if not ds_config or ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+    if zero_stage(ds_config) != 3:
         yield
         return
     import torch._dynamo  # noqa: F401
