@@ -576,3 +576,19 @@ def test_offloaded_zero3_reference_gives_the_plain_reference_logprobs(dist_singl
     torch.testing.assert_close(
         reference_logp(ref, _model_rows(mb)), reference_logp(plain, _model_rows(mb)), atol=1e-5, rtol=0
     )
+
+
+def test_fp32_zero_stage_0_reports_the_gradient_norm_zero_2_reports(dist_single, tiny_model_dir):
+    """DeepSpeed clips stage-0 fp32 gradients without keeping their norm: the step measures it itself,
+    before the clip, over the whole window (two micro-batches), equal to what ZeRO-2 reports."""
+    mbs = [_rows(2, 12, seed) for seed in (3, 4)]
+    for mb in mbs:
+        mb["loss_mask"] = mb.pop("action_mask")
+    norms = {}
+    for stage in (0, 2):
+        engine = _engine(Actor(load_causal_lm(tiny_model_dir)), stage=stage, gas=2, grad_clip=1e-3)
+        norms[stage] = [
+            sft_step(engine, [SFTBatch(**mb) for mb in mbs], sft_loss_fn=sft_loss).grad_norm for _ in range(2)
+        ]
+    assert norms[0][0] is not None and norms[0][0] > 1e-3  # clipped: the norm is the one before the clip
+    assert norms[0] == pytest.approx(norms[2], rel=1e-4)

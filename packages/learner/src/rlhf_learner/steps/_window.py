@@ -66,7 +66,8 @@ class StepResult:
     loss: float
     """The loss of the whole step (sum of micro-batch losses over ranks, divided by dp_size)."""
     grad_norm: float | None
-    """Global gradient norm before clipping, when DeepSpeed reports it."""
+    """Global gradient norm before clipping: DeepSpeed's, or measured by the step where DeepSpeed keeps none
+    (ZeRO stage 0 in fp32); None with model parallelism there."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Step-specific means over the step (e.g. clip fraction, KL, accuracy)."""
 
@@ -152,10 +153,13 @@ def run_window(
     total = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     maxes: dict[str, float] = {}
+    own_norm: float | None = None
     for i, mb in enumerate(micro_batches):
         loss, metrics = compute(mb, counts)
         _check_finite(loss, i, len(micro_batches), group, device)
         engine.backward(loss, scale_wrt_gas=False)
+        if i == len(micro_batches) - 1 and not _reports_grad_norm(engine):
+            own_norm = _local_grad_norm(engine)  # the boundary's gradients, before the step clips them
         engine.step()
         total += loss.detach().double()
         for k, v in metrics.items():
@@ -172,7 +176,8 @@ def run_window(
     out |= dict(
         zip(sorted(maxes), _all_reduce_max([maxes[k] for k in sorted(maxes)], group, device), strict=True)
     )
-    return StepResult(loss=reduced[0] / dp_size, grad_norm=_grad_norm(engine), metrics=out)
+    norm = _grad_norm(engine)
+    return StepResult(loss=reduced[0] / dp_size, grad_norm=own_norm if norm is None else norm, metrics=out)
 
 
 def _check_finite(loss: torch.Tensor, i: int, n: int, group: Any, device: torch.device) -> None:
@@ -215,6 +220,25 @@ def _window_counts(
         tokens, seqs = tokens + float(t), seqs + float(s)
     g_tokens, g_seqs = _all_reduce_sum([tokens, seqs], group, device)
     return WindowCounts(global_tokens=g_tokens, global_seqs=g_seqs, dp_size=dp_size)
+
+
+def _reports_grad_norm(engine: TrainEngine) -> bool:
+    """Whether DeepSpeed measures the gradient norm itself: its ZeRO and bf16 optimizers do; ZeRO stage 0 in
+    fp32 (a plain torch optimizer) clips without keeping the norm. Engines without an ``optimizer``
+    attribute are taken at their word (``get_global_grad_norm``)."""
+    optimizer = getattr(engine, "optimizer", None)
+    return optimizer is None or hasattr(optimizer, "_global_grad_norm")
+
+
+def _local_grad_norm(engine: TrainEngine) -> float | None:
+    """The L2 norm of the module's gradients after the window's last backward, for an engine that keeps
+    none. Data-parallel ranks hold the same averaged gradients then; with model parallelism (``mpu``) each
+    holds a part, so None."""
+    module = getattr(engine, "module", None)
+    if module is None or getattr(engine, "mpu", None) is not None:
+        return None
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 def _grad_norm(engine: TrainEngine) -> float | None:
