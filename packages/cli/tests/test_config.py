@@ -242,7 +242,18 @@ def test_resuming_with_other_settings_is_refused_before_start_up(tmp_path):
     assert "train.seed=1" in line and "--train.seed 2" in line and "step_000002" in line
 
 
-def test_an_estimator_registered_by_a_plugin_passes_validation(tmp_path):
+@pytest.fixture
+def registry_restored():
+    """The advantage-estimator registry as it was before the test (a plugin adds to it, process-wide)."""
+    from rlhf_algos import estimators
+
+    before = dict(estimators._REGISTRY)
+    yield
+    estimators._REGISTRY.clear()
+    estimators._REGISTRY.update(before)
+
+
+def test_an_estimator_registered_by_a_plugin_passes_validation(tmp_path, registry_restored):
     plugin = tmp_path / "my_estimators.py"
     plugin.write_text(
         "from dataclasses import replace\n"
