@@ -170,13 +170,18 @@ class RayCluster:
             else [f"--address={self.address}"]
         )
         argv = [ray, "start", "--block", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", *where]
-        self.nodes[host.namespace] = subprocess.Popen(
-            host.command(argv),
-            env={**self.env, **(extra_env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with self.node_log(host).open("wb") as log:  # named in wait_for_nodes' error
+            self.nodes[host.namespace] = subprocess.Popen(
+                host.command(argv),
+                env={**self.env, **(extra_env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def node_log(self, host: Host) -> Path:
+        """The output of ``host``'s ``ray start`` (in the cluster's folder)."""
+        return Path(self.temp_dir) / f"start-{host.namespace}.log"
 
     def status(self, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """``ray status`` from the head's host."""
@@ -184,8 +189,8 @@ class RayCluster:
         argv = self.hosts[0].command([ray, "status", f"--address={self.address}"])
         return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=60)
 
-    def wait_for_nodes(self, n: int, timeout_s: float = 120.0) -> None:
-        """Until ``n`` nodes are alive."""
+    def wait_for_nodes(self, n: int, timeout_s: float = 300.0) -> None:
+        """Until ``n`` nodes are alive (on a loaded 2-core machine a node can take minutes to join)."""
         deadline = time.monotonic() + timeout_s
         while True:
             done = self.status()
@@ -193,9 +198,22 @@ class RayCluster:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the Ray cluster did not reach {n} nodes: {done.stdout[-500:]}{done.stderr[-500:]}"
+                    f"the Ray cluster did not reach {n} nodes in {timeout_s:.0f} s: "
+                    f"{done.stdout[-500:]}{done.stderr[-500:]}{self._node_states()}"
                 )
             time.sleep(0.5)
+
+    def _node_states(self) -> str:
+        """Each node's ``ray start``: running or its exit status, and the end of its output (the folder
+        holding it goes with the cluster)."""
+        hosts = {h.namespace: h for h in self.hosts}
+        out = []
+        for ns, p in self.nodes.items():
+            state = "running" if p.poll() is None else f"exited {p.returncode}"
+            log = self.node_log(hosts[ns])
+            tail = log.read_text(errors="replace")[-400:] if log.is_file() else ""
+            out.append(f"\n{ns}: ray start {state}: {tail}")
+        return "".join(out)
 
     def stop(self) -> None:
         """Every node stopped (SIGKILL to everything in each host, the head's last)."""
