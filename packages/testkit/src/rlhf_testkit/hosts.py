@@ -170,7 +170,7 @@ class RayCluster:
             else [f"--address={self.address}"]
         )
         argv = [ray, "start", "--block", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", *where]
-        with self.node_log(host).open("wb") as log:  # named in wait_for_nodes' error
+        with self.node_log(host).open("wb") as log:  # its end goes into wait_for_nodes' error
             self.nodes[host.namespace] = subprocess.Popen(
                 host.command(argv),
                 env={**self.env, **(extra_env or {})},
