@@ -193,6 +193,12 @@ class RayCluster:
         """Until ``n`` nodes are alive (on a loaded 2-core machine a node can take minutes to join)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            exited = [ns for ns, p in self.nodes.items() if p.poll() is not None]
+            if exited:  # its `ray start --block` ended: that node will never join
+                raise RuntimeError(
+                    f"the Ray cluster will not reach {n} nodes: {', '.join(exited)} stopped"
+                    f"{self._node_states()}"
+                )
             done = self.status()
             if done.returncode == 0 and _active_nodes(done.stdout) == n:
                 return
