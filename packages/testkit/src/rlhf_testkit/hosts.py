@@ -219,6 +219,11 @@ class RayCluster:
             log = self.node_log(hosts[ns])
             tail = log.read_text(errors="replace")[-400:] if log.is_file() else ""
             out.append(f"\n{ns}: ray start {state}: {tail}")
+        logs = Path(self.temp_dir) / "session_latest" / "logs"  # the head's Ray processes
+        for name in ("raylet.out", "dashboard_agent.log", "gcs_server.out"):
+            lines = (logs / name).read_text(errors="replace").splitlines() if (logs / name).is_file() else []
+            lines = [line for line in lines if line.startswith("[20") or line.startswith("20")][-6:]
+            out.append(f"\nhead's {name}: " + "\n".join(line[:300] for line in lines))
         return "".join(out)
 
     def stop(self) -> None:
