@@ -32,6 +32,8 @@ from rlhf_testkit.commands import (
     training_metrics,
 )
 
+pytestmark = pytest.mark.slow  # end-to-end runs, minutes in all: scheduled first
+
 QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
 
 

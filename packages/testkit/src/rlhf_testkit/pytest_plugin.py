@@ -2,7 +2,8 @@
 
 Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`` (a module's Ray cluster
 across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``). Markers: ``gpu`` tests are skipped
-when CUDA is absent; ``slow`` is registered for end-to-end tests.
+when CUDA is absent; ``slow`` is registered for end-to-end tests, and modules holding one are collected
+first (:func:`slow_modules_first`).
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
@@ -32,6 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = slow_modules_first(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
@@ -42,6 +44,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The modules holding a ``slow`` test first, each module's tests kept together and in order. With
+    xdist's ``--dist loadfile --no-loadscope-reorder`` the workers take modules in this order, so the
+    minutes-long ones start early and the short ones fill the end (a long module last leaves the other
+    worker idle)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    return sorted(items, key=lambda item: item.path not in slow)  # stable: order kept within each part
 
 
 @pytest.fixture(scope="session")
