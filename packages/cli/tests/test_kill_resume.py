@@ -32,8 +32,6 @@ from rlhf_testkit.commands import (
     training_metrics,
 )
 
-pytestmark = pytest.mark.slow  # end-to-end runs, minutes in all: scheduled first
-
 QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
 
 
@@ -62,6 +60,7 @@ def sft_flags(demo_model_dir, tmp_path_factory) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # minutes: its module is scheduled first
 def test_sft_killed_mid_checkpoint_and_at_its_rank_ends_as_an_uninterrupted_run(
     rng, address, sft_flags, tmp_path
 ):

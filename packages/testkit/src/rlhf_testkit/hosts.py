@@ -219,11 +219,13 @@ class RayCluster:
             log = self.node_log(hosts[ns])
             tail = log.read_text(errors="replace")[-400:] if log.is_file() else ""
             out.append(f"\n{ns}: ray start {state}: {tail}")
-        logs = Path(self.temp_dir) / "session_latest" / "logs"  # the head's Ray processes
-        for name in ("raylet.out", "dashboard_agent.log", "gcs_server.out"):
-            lines = (logs / name).read_text(errors="replace").splitlines() if (logs / name).is_file() else []
-            lines = [line for line in lines if line.startswith("[20") or line.startswith("20")][-6:]
-            out.append(f"\nhead's {name}: " + "\n".join(line[:300] for line in lines))
+        logs = Path(self.temp_dir) / "session_latest" / "logs"  # every node's (workers: raylet.1.out, ...)
+        names = [*sorted(logs.glob("raylet*.out")), logs / "dashboard_agent.log", logs / "gcs_server.out"]
+        for path in names:
+            text = path.read_text(errors="replace") if path.is_file() else ""
+            lines = [line[:300] for line in text.splitlines() if line.startswith(("[20", "20"))][-6:]
+            if lines:  # its last timestamped lines (a stack trace's header line among them)
+                out.append(f"\n{path.name}: " + "\n".join(lines))
         return "".join(out)
 
     def stop(self) -> None:

@@ -48,9 +48,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The modules holding a ``slow`` test first, each module's tests kept together and in order. With
-    xdist's ``--dist loadfile --no-loadscope-reorder`` the workers take modules in this order, so the
-    minutes-long ones start early and the short ones fill the end (a long module last leaves the other
-    worker idle)."""
+    xdist's ``--dist loadfile --no-loadscope-reorder`` the workers take modules in this order (each
+    holding the next module while it runs its last two tests), so the minutes-long ones start early and
+    the short ones fill the end: a long module handed out last keeps one worker busy while the other
+    has nothing left."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     return sorted(items, key=lambda item: item.path not in slow)  # stable: order kept within each part
 
