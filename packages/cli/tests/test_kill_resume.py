@@ -60,7 +60,6 @@ def sft_flags(demo_model_dir, tmp_path_factory) -> list[str]:
     ]
 
 
-@pytest.mark.slow  # minutes: its module is scheduled first
 def test_sft_killed_mid_checkpoint_and_at_its_rank_ends_as_an_uninterrupted_run(
     rng, address, sft_flags, tmp_path
 ):

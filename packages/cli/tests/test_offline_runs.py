@@ -14,8 +14,6 @@ import torch
 from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
 from rlhf_cli.demo import task
 
-pytestmark = pytest.mark.slow  # end-to-end runs, minutes in all: scheduled first
-
 COMMON = [
     "--logger.progress",
     "false",

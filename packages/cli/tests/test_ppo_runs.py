@@ -21,8 +21,6 @@ from rlhf_cli.ppo.pipeline import RolloutPipeline
 from rlhf_cli.ppo.recipe import run
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # end-to-end runs, minutes in all: scheduled first
-
 MISMATCH = 1e-3  # engine vs learner log-prob of a sampled token with the same weights (seen ~1e-6)
 
 BASE = [

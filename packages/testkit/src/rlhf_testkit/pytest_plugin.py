@@ -2,8 +2,7 @@
 
 Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`` (a module's Ray cluster
 across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``). Markers: ``gpu`` tests are skipped
-when CUDA is absent; ``slow`` is registered for end-to-end tests, and modules holding one are collected
-first (:func:`slow_modules_first`).
+when CUDA is absent; ``slow`` is registered for end-to-end tests.
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
@@ -33,7 +32,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items[:] = slow_modules_first(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
@@ -44,16 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-def slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The modules holding a ``slow`` test first, each module's tests kept together and in order. With
-    xdist's ``--dist loadfile --no-loadscope-reorder`` the workers take modules in this order (each
-    holding the next module while it runs its last two tests), so the minutes-long ones start early and
-    the short ones fill the end: a long module handed out last keeps one worker busy while the other
-    has nothing left."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    return sorted(items, key=lambda item: item.path not in slow)  # stable: order kept within each part
 
 
 @pytest.fixture(scope="session")
