@@ -81,6 +81,29 @@ def test_export_is_written_by_rank0_alone_and_shards_under_zero3(multirank):
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_a_reserved_port_is_held_until_rank_0_serves_on_its_socket():
+    import socket
+
+    from rlhf_learner.strategy import init_distributed, reserve_port
+
+    listener = reserve_port()
+    port = listener.getsockname()[1]
+    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert 20000 <= port < ephemeral  # never a port the kernel could hand a client as its source port
+    with pytest.raises(OSError), socket.socket() as other:  # as the store's own bind would
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+    with socket.create_connection(("127.0.0.1", port), timeout=5):  # a peer early waits in its backlog
+        pass
+    with pytest.raises(ValueError, match="only rank 0"):
+        init_distributed(rank=1, world_size=2, master_addr="127.0.0.1", master_port=port, listener=listener)
+    with pytest.raises(ValueError, match=f"listens on port {port}, not {port + 1}"):
+        init_distributed(
+            rank=0, world_size=2, master_addr="127.0.0.1", master_port=port + 1, listener=listener
+        )
+    listener.close()
+
+
 def test_sequence_parallel_group_needs_setup_and_a_divisible_world(dist_single):
     from rlhf_learner.strategy import Strategy, StrategyOptions
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -255,6 +256,33 @@ def test_mismatched_transports_are_refused(free_port, run_in_thread):
     thread.join()
     # the receiver refuses too, or finds the store gone because the sender refused first
     assert isinstance(box["error"], ValueError | WeightSyncError)
+
+
+def test_a_sender_serves_on_the_socket_that_held_its_port(run_in_thread):
+    """A port reserved by listening on it stays taken until the sender's store serves on that very
+    socket; a receiver that connects before the sender exists waits in its backlog."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with pytest.raises(OSError), socket.socket() as other:  # nobody else can take it meanwhile
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a store's own bind does
+        other.bind(("127.0.0.1", port))
+    kw = {"master_addr": "127.0.0.1", "master_port": port, "world_size": 2, "timeout_s": 20}
+    with pytest.raises(WeightSyncError, match=f"listens on port {port}, not {port + 1}"):
+        WeightSender(transport="gloo", **{**kw, "master_port": port + 1}, listener=listener)
+    thread, box = run_in_thread(WeightReceiver, transport="gloo", rank=1, **kw)
+    time.sleep(0.5)
+    sender = WeightSender(transport="gloo", **kw, listener=listener)
+    thread.join()
+    receiver = box["value"]
+    try:
+        thread, box = run_in_thread(sender.send, weights(1))
+        got = {}
+        receiver.receive(lambda it: got.update((n, t.clone()) for n, t in it))
+        thread.join()
+        assert box["value"].version == 1 and torch.equal(got["layer5.weight"], weights(1)[5][1])
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_argument_validation(free_port):

@@ -58,6 +58,7 @@ class Rendezvous:
         timeout_s: float,
         connect_timeout_s: float | None = None,
         info: dict,
+        listener: socket.socket | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 2:
             raise ValueError(
@@ -84,7 +85,7 @@ class Rendezvous:
                 rank == 0,
                 timedelta(seconds=max(timeout_s, connect_timeout_s)),
                 wait_for_workers=False,
-                master_listen_fd=_listening_fd(master_addr, master_port) if rank == 0 else None,
+                master_listen_fd=_listen_fd(master_addr, master_port, listener) if rank == 0 else None,
             )
         except Exception as exc:
             verb = "serve" if rank == 0 else "reach"
@@ -284,6 +285,16 @@ class _SenderKeyWaiter:
         self._thread = threading.Thread(target=run, name="rlhf-weightsync-wait", daemon=True)
         self._thread.start()
         return done, result
+
+
+def _listen_fd(addr: str, port: int, listener: socket.socket | None) -> int:
+    """The store's listening socket as a file descriptor: ``listener``'s (checked to be on ``port``),
+    else a new one."""
+    if listener is None:
+        return _listening_fd(addr, port)
+    if listener.getsockname()[1] != port:
+        raise ValueError(f"listener: listens on port {listener.getsockname()[1]}, not {port}")
+    return listener.detach()
 
 
 def _listening_fd(addr: str, port: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -52,6 +53,9 @@ class WeightSender(Endpoint):
     ``cuda_ipc`` transports keep four (``shm``) or two (``cuda_ipc``) buckets' worth of shared memory
     mapped.
     ``device``: the CUDA device of the ``nccl`` / ``cuda_ipc`` buffers (default: the current one).
+    ``listener``: a socket already listening on ``master_addr:master_port`` (held since the port was
+    chosen, so that no other process could take it meanwhile), which the store then serves on; without
+    it the sender binds ``master_port`` itself.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class WeightSender(Endpoint):
         connect_timeout_s: float | None = None,
         bucket_bytes: int | None = None,
         device: torch.device | str | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         check_transport_name(transport)
         bucket_bytes = DEFAULT_BUCKET_BYTES[transport] if bucket_bytes is None else bucket_bytes
@@ -78,6 +83,7 @@ class WeightSender(Endpoint):
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
             info={"transport": transport, "bucket_bytes": bucket_bytes},
+            listener=listener,
         )
         self._open(transport, rdv, bucket_bytes=bucket_bytes, device=device)
         self._version = 0

@@ -4,6 +4,7 @@ keyword-only and typed: the driver calls them by name in code (``LearnerGroup``)
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import torch
@@ -66,13 +67,18 @@ class LearnerWorker:
             os.chdir(spec.cwd)
         self.engine: Any = None
         self.sender: Any = None
+        self._reserved: dict[int, socket.socket] = {}
 
     def node_address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (for the group's rendezvous)."""
+        """This node's IP and a port on it for a rendezvous this rank will serve (the group's, or the
+        weight sync's): the port is held, listening, from now until that store takes it over."""
         import ray
-        from rlhf_learner.strategy import free_port
+        from rlhf_learner.strategy import reserve_port
 
-        return ray.util.get_node_ip_address(), free_port()
+        addr = ray.util.get_node_ip_address()
+        listener = reserve_port(addr)
+        self._reserved[listener.getsockname()[1]] = listener
+        return addr, listener.getsockname()[1]
 
     def setup(self, *, master_addr: str, master_port: int) -> int:
         """Join the group's process group and build the model; returns the parameter count."""
@@ -87,7 +93,11 @@ class LearnerWorker:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         self.strategy = Strategy(spec.strategy)
         self.strategy.setup_distributed(
-            rank=self.rank, world_size=spec.world_size, master_addr=master_addr, master_port=master_port
+            rank=self.rank,
+            world_size=spec.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            listener=self._reserved.pop(master_port, None),
         )
         sp_group = self.strategy.sequence_parallel_group if spec.role in ("actor", "ref") else None
         model = build_model(spec, self.strategy.ds_config(train=spec.trained), sp_group)
@@ -196,6 +206,7 @@ class LearnerWorker:
                 world_size=world_size,
                 timeout_s=timeout_s,
                 bucket_bytes=self.bucket_bytes,
+                listener=self._reserved.pop(master_port, None),
             )
 
     def send_weights(self, *, version: int) -> Any:

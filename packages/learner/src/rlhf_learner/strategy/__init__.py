@@ -1,6 +1,6 @@
 """DeepSpeed strategy: typed options, config builder, distributed init, gather, checkpoints, export."""
 
-from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed
+from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed, reserve_port
 from rlhf_learner.strategy.offload import offload_states, reload_states
 from rlhf_learner.strategy.options import OptimizerName, Precision, StrategyOptions, build_ds_config
 from rlhf_learner.strategy.schedule import LRSchedule, SchedulerName, lr_factor, make_lr_scheduler
@@ -22,6 +22,7 @@ __all__ = [
     "make_lr_scheduler",
     "offload_states",
     "reload_states",
+    "reserve_port",
     "set_seed",
     "unwrap_hf_model",
 ]

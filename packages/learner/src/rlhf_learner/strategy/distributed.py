@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_backend", "free_port", "init_distributed", "interface_towards"]
+__all__ = ["default_backend", "free_port", "init_distributed", "interface_towards", "reserve_port"]
 
 
 def default_backend() -> str:
@@ -21,26 +21,42 @@ def default_backend() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago, chosen below the kernel's ephemeral range when
-    one is free there: a client that keeps retrying a connect to a port inside that range can be given
-    the same port as its own source port (a TCP self-connect), after which the server cannot bind it.
-    Ports below 20000 are avoided too: Ray's workers take 10002-19999 by default (``ray start`` refuses
-    a ``--port`` in that range)."""
+    """A TCP port that was free on ``host`` a moment ago (see :func:`reserve_port` for one that stays
+    free until it is used), chosen below the kernel's ephemeral range when one is free there: a client
+    that keeps retrying a connect to a port inside that range can be given the same port as its own source
+    port (a TCP self-connect), after which the server cannot bind it. Ports below 20000 are avoided too:
+    Ray's workers take 10002-19999 by default (``ray start`` refuses a ``--port`` in that range)."""
+    with _bound_socket(host) as s:
+        return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket already listening on ``host``, at a port chosen as :func:`free_port` chooses one:
+    the port stays this process's from the moment it is chosen, so no other process can take it before a
+    store serves on it (pass the socket as ``listener`` to :func:`init_distributed`); its port is
+    ``getsockname()[1]``. Peers that connect before then wait in its backlog."""
+    s = _bound_socket(host)
+    s.listen(128)
+    return s
+
+
+def _bound_socket(host: str) -> socket.socket:
     low = 32768
     with contextlib.suppress(OSError, ValueError):
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.Random()
     for _ in range(64):
         port = rng.randrange(20000, low) if low > 20000 else rng.randrange(1024, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any free port
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            continue
+        return s
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # all taken: any free port
+    s.bind((host, 0))
+    return s
 
 
 def init_distributed(
@@ -51,6 +67,7 @@ def init_distributed(
     master_port: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    listener: socket.socket | None = None,
 ) -> tuple[int, int]:
     """Join the default process group through DeepSpeed and return ``(rank, world_size)``.
 
@@ -59,12 +76,22 @@ def init_distributed(
     and DeepSpeed's shared-memory communication op is switched off first (otherwise DeepSpeed
     JIT-compiles it for minutes and needs a compiler). Every collective gets ``timeout_s``, so a dead
     peer raises instead of hanging. Calling it again in an initialised process is a no-op.
+    ``listener``: rank 0's socket from :func:`reserve_port` on ``master_addr``, which the rendezvous
+    store then serves on (``master_port`` defaults to its port); without it rank 0 binds ``master_port``.
 
     Side effect, on purpose: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
     are written to ``os.environ`` (from the arguments, else the defaults above), because DeepSpeed and
     torch's ``env://`` rendezvous read them there; nothing else in the environment is changed.
     """
+    if listener is not None:
+        if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
+            raise ValueError("listener: only rank 0 serves the rendezvous store")
+        master_port = listener.getsockname()[1] if master_port is None else master_port
+        if master_port != listener.getsockname()[1]:
+            raise ValueError(f"listener: listens on port {listener.getsockname()[1]}, not {master_port}")
     if dist.is_initialized():
+        if listener is not None:
+            listener.close()
         return dist.get_rank(), dist.get_world_size()
     _set_rendezvous_env(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     backend = backend or default_backend()
@@ -78,7 +105,7 @@ def init_distributed(
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    _join_bound_to_master(backend, timedelta(seconds=timeout_s))
+    _join_bound_to_master(backend, timedelta(seconds=timeout_s), listener)
     deepspeed.init_distributed(  # adopts the group just made
         dist_backend=backend,
         auto_mpi_discovery=False,
@@ -90,14 +117,16 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
-def _join_bound_to_master(backend: str, timeout: timedelta) -> None:
+def _join_bound_to_master(backend: str, timeout: timedelta, listener: socket.socket | None) -> None:
     """The default process group, its rendezvous store listening on ``MASTER_ADDR`` only (torch's own
     store listens on every interface): rank 0 binds the socket and hands it to the store. Gloo's
     connections are made on the interface that reaches ``MASTER_ADDR`` (``interface_towards``) unless
     ``GLOO_SOCKET_IFNAME`` is set."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    fd = _listening_fd(addr, port) if rank == 0 else None
+    fd = None
+    if rank == 0:
+        fd = listener.detach() if listener is not None else _listening_fd(addr, port)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = interface_towards(addr)
