@@ -36,7 +36,8 @@ import _summary
 BEST: dict[str, dict[str, Any]] = {
     "tiny": {
         "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
-        "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.attn_implementation eager",
+        "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.attn_implementation eager "
+        "--vllm.enforce_eager false",
     },
     "small": {
         "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
@@ -48,7 +49,8 @@ BEST: dict[str, dict[str, Any]] = {
 TRL at 0.4M: fp32 + sdpa 0.24 s (bf16 + eager 0.29, fp32 + eager 0.25, bf16 + sdpa 0.34); at 23M: bf16 +
 torch_compile + eager 2.8-3.1 s (compile + sdpa 3.2, eager 3.3, bf16 + sdpa 3.5). Ours at 0.4M: bf16 0.32 s
 (fp32 0.37; compiling the learner does not pay at that size; eager attention: 0.95 s against 1.02 on a
-slower machine); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
+slower machine; vLLM compiled, as measured: unset, `--vllm.enforce_eager` would run a model this small
+eagerly, which shortens start-up, not the step); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
 with ZeRO stage 0: one learner rank has nothing to shard, and ZeRO-2's step bookkeeping cost 0.3 s at 23M."""
 
 OURS_FLAGS: list[str] = []

@@ -66,7 +66,7 @@ _ENGINE_KWARGS = dict(
     dtype="float32",
     max_model_len=256,
     seed=0,
-    engine_kwargs={"enforce_eager": True},  # no torch.compile start-up (README's run compiles)
+    engine_kwargs={"enforce_eager": True},  # no torch.compile start-up
 )
 _ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 

@@ -327,3 +327,18 @@ def test_a_group_spans_exactly_its_num_nodes_and_is_refused_on_fewer_or_colocate
     )
     with pytest.raises(ConfigError, match=r"--train.colocate_\*: --actor.num_nodes > 1"):
         make_plan(colocated, two_nodes)
+
+
+def test_cpu_engines_run_a_tiny_policy_eagerly_and_a_larger_one_compiled():
+    """Unset --vllm.enforce_eager: eager on CPU under 1M parameters, compiled above and on GPU; the flag wins."""
+    tiny, small = (dataclasses.replace(MID, params=n) for n in (360_000, 23_000_000))
+
+    def engines(resources, shape, *flags):
+        return make_plan(ppo(*flags), resources, sizes=ModelSizes(actor=shape)).group("engines").note
+
+    assert ", eager" in engines(CPU, tiny)
+    assert ", compiled" in engines(CPU, small)
+    assert ", compiled" in engines(gpu(80.0), tiny)
+    assert ", compiled" in engines(CPU, tiny, "--vllm.enforce_eager", "false")
+    assert ", eager" in engines(CPU, small, "--vllm.enforce_eager", "true")
+    assert "eager" not in engines(CPU, tiny, "--rollout.backend", "transformers")

