@@ -6,6 +6,8 @@ difference is the order of floating-point reductions across ranks).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_a_reserved_port_is_held_until_rank_0_serves_on_its_socket():
 
     listener = reserve_port()
     port = listener.getsockname()[1]
-    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert 20000 <= port < ephemeral  # never a port the kernel could hand a client as its source port
     with pytest.raises(OSError), socket.socket() as other:  # as the store's own bind would
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
