@@ -189,6 +189,7 @@ def failed_within(d: Driver, since: float, limit_s: float) -> str:
     ``since`` (monotonic)."""
     rc, _, err = d.finish(timeout=120)
     took = time.monotonic() - since
+    print(f"the run ended {took:.0f} s after the failure")
     assert rc == 1, err[-3000:]
     assert took < limit_s, f"the run took {took:.0f} s to notice"
     return err.strip().splitlines()[-1]
