@@ -267,7 +267,7 @@ def test_a_sender_serves_on_the_socket_that_held_its_port(run_in_thread):
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a store's own bind does
         other.bind(("127.0.0.1", port))
     kw = {"master_addr": "127.0.0.1", "master_port": port, "world_size": 2, "timeout_s": 20}
-    with pytest.raises(WeightSyncError, match=f"listens on port {port}, not {port + 1}"):
+    with pytest.raises(WeightSyncError, match=f"listens on 127.0.0.1:{port}, not 127.0.0.1:{port + 1}"):
         WeightSender(transport="gloo", **{**kw, "master_port": port + 1}, listener=listener)
     thread, box = run_in_thread(WeightReceiver, transport="gloo", rank=1, **kw)
     time.sleep(0.5)

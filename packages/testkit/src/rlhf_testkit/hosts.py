@@ -262,7 +262,7 @@ def ray_cluster(
 ) -> Iterator[RayCluster]:
     """A Ray node in each host (the head in ``hosts[0]``), ``cpus[i]`` CPUs on host ``i``, token
     authentication on (a fresh token). ``health_checks``: the head's node health-check settings
-    (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in seconds)."""
+    (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in about 20 s)."""
     inherited = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # another host's interface
     env = {
         **inherited,

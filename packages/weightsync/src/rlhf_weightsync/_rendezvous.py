@@ -288,12 +288,13 @@ class _SenderKeyWaiter:
 
 
 def _listen_fd(addr: str, port: int, listener: socket.socket | None) -> int:
-    """The store's listening socket as a file descriptor: ``listener``'s (checked to be on ``port``),
+    """The store's listening socket as a file descriptor: ``listener``'s (checked to be on ``addr:port``),
     else a new one."""
     if listener is None:
         return _listening_fd(addr, port)
-    if listener.getsockname()[1] != port:
-        raise ValueError(f"listener: listens on port {listener.getsockname()[1]}, not {port}")
+    host, bound = listener.getsockname()[:2]
+    if (host, bound) != (socket.gethostbyname(addr), port):
+        raise ValueError(f"listener: listens on {host}:{bound}, not {addr}:{port}")
     return listener.detach()
 
 

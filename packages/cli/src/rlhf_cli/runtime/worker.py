@@ -76,8 +76,10 @@ class LearnerWorker:
         from rlhf_learner.strategy import reserve_port
 
         addr = ray.util.get_node_ip_address()
+        for stale in self._reserved.values():  # a reservation is used by the call that follows it, or never
+            stale.close()
         listener = reserve_port(addr)
-        self._reserved[listener.getsockname()[1]] = listener
+        self._reserved = {listener.getsockname()[1]: listener}
         return addr, listener.getsockname()[1]
 
     def setup(self, *, master_addr: str, master_port: int) -> int:

@@ -76,19 +76,25 @@ def init_distributed(
     and DeepSpeed's shared-memory communication op is switched off first (otherwise DeepSpeed
     JIT-compiles it for minutes and needs a compiler). Every collective gets ``timeout_s``, so a dead
     peer raises instead of hanging. Calling it again in an initialised process is a no-op.
-    ``listener``: rank 0's socket from :func:`reserve_port` on ``master_addr``, which the rendezvous
-    store then serves on (``master_port`` defaults to its port); without it rank 0 binds ``master_port``.
+    ``listener``: rank 0's socket from :func:`reserve_port`, which the rendezvous store then serves on
+    (``master_addr`` and ``master_port`` default to its address; it is closed if refused); without it rank 0
+    binds ``master_port``.
 
     Side effect, on purpose: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
     are written to ``os.environ`` (from the arguments, else the defaults above), because DeepSpeed and
     torch's ``env://`` rendezvous read them there; nothing else in the environment is changed.
     """
     if listener is not None:
+        host, port = listener.getsockname()[:2]
+        master_addr, master_port = master_addr or host, master_port or port
+        problem = None
         if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
-            raise ValueError("listener: only rank 0 serves the rendezvous store")
-        master_port = listener.getsockname()[1] if master_port is None else master_port
-        if master_port != listener.getsockname()[1]:
-            raise ValueError(f"listener: listens on port {listener.getsockname()[1]}, not {master_port}")
+            problem = "only rank 0 serves the rendezvous store"
+        elif (master_addr, master_port) != (host, port):
+            problem = f"listens on {host}:{port}, not {master_addr}:{master_port}"
+        if problem:
+            listener.close()
+            raise ValueError(f"listener: {problem}")
     if dist.is_initialized():
         if listener is not None:
             listener.close()
