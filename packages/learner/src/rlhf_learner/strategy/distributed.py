@@ -85,16 +85,7 @@ def init_distributed(
     torch's ``env://`` rendezvous read them there; nothing else in the environment is changed.
     """
     if listener is not None:
-        host, port = listener.getsockname()[:2]
-        master_addr, master_port = master_addr or host, master_port or port
-        problem = None
-        if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
-            problem = "only rank 0 serves the rendezvous store"
-        elif (master_addr, master_port) != (host, port):
-            problem = f"listens on {host}:{port}, not {master_addr}:{master_port}"
-        if problem:
-            listener.close()
-            raise ValueError(f"listener: {problem}")
+        master_addr, master_port = _check_listener(listener, rank, master_addr, master_port)
     if dist.is_initialized():
         if listener is not None:
             listener.close()
@@ -121,6 +112,24 @@ def init_distributed(
         world_size=int(os.environ["WORLD_SIZE"]),
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _check_listener(
+    listener: socket.socket, rank: int | None, addr: str | None, port: int | None
+) -> tuple[str, int]:
+    """The rendezvous address ``listener`` serves (``addr`` / ``port`` default to its own); ValueError, the
+    listener closed, when it is not rank 0's or listens elsewhere."""
+    host, bound = listener.getsockname()[:2]
+    addr, port = addr or host, port or bound
+    problem = None
+    if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
+        problem = "only rank 0 serves the rendezvous store"
+    elif (addr, port) != (host, bound):
+        problem = f"listens on {host}:{bound}, not {addr}:{port}"
+    if problem:
+        listener.close()
+        raise ValueError(f"listener: {problem}")
+    return addr, port
 
 
 def _join_bound_to_master(backend: str, timeout: timedelta, listener: socket.socket | None) -> None:
