@@ -148,6 +148,18 @@ answer or timeout: about 20 s after it went silent (Ray's defaults: about a minu
 host: with 4 checks of 2 s, a head raylet frozen for 12 s was marked dead and took its cluster down."""
 
 
+AGENT_PORTS = {
+    "dashboard-agent-grpc-port": 6381,
+    "dashboard-agent-listen-port": 6382,
+    "metrics-export-port": 6383,
+    "runtime-env-agent-port": 6384,
+}
+"""The ports of each node's agents, fixed (each host has ports of its own). A raylet whose agents' ports are
+not given waits for the agents to start and write them down, and exits with a fatal error if that takes
+15 s: on a loaded 2-core machine the agents' Python start-up took longer, and the head's ``ray start``
+failed. With the ports given, the raylet registers without waiting for its agents."""
+
+
 @dataclass
 class RayCluster:
     """A Ray cluster whose nodes are test hosts (:func:`ray_cluster`)."""
@@ -172,6 +184,7 @@ class RayCluster:
             else [f"--address={self.address}"]
         )
         argv = [ray, "start", "--block", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", *where]
+        argv += [f"--{flag}={p}" for flag, p in AGENT_PORTS.items()]
         with self.node_log(host).open("wb") as log:  # its end goes into wait_for_nodes' error
             self.nodes[host.namespace] = subprocess.Popen(
                 host.command(argv),
