@@ -148,16 +148,27 @@ answer or timeout: about 20 s after it went silent (Ray's defaults: about a minu
 host: with 4 checks of 2 s, a head raylet frozen for 12 s was marked dead and took its cluster down."""
 
 
-AGENT_PORTS = {
-    "dashboard-agent-grpc-port": 6381,
-    "dashboard-agent-listen-port": 6382,
-    "metrics-export-port": 6383,
-    "runtime-env-agent-port": 6384,
-}
-"""The ports of each node's agents, fixed (each host has ports of its own). A raylet whose agents' ports are
-not given waits for the agents to start and write them down, and exits with a fatal error if that takes
-15 s: on a loaded 2-core machine the agents' Python start-up took longer, and the head's ``ray start``
-failed. With the ports given, the raylet registers without waiting for its agents."""
+START_NICE = -15
+"""The CPU priority of each node's ``ray start`` and everything it starts (its raylet, GCS, agents: one
+session, so one scheduler autogroup where the kernel groups by session) until the nodes have joined;
+then back to 0 (:meth:`RayCluster.back_to_normal_priority`). A raylet waits for its agents (Python
+processes) to report their ports and exits after 15 s without them (``ray start`` itself waits 30 s for
+its raylet). On a 2-core machine loaded by other tests, the head's half-dozen Python processes shared
+one session's share of the cores, the agents took longer, and the node never came up. A test host is a
+machine of its own: its node starts as it would on an idle one."""
+
+
+def _set_priority(session: int, nice: int) -> None:
+    """The priority of session leader ``session``'s scheduler autogroup (where the kernel has them) and
+    of every thread of every process in that session."""
+    with contextlib.suppress(OSError):  # no autogroups, or the session is gone
+        Path(f"/proc/{session}/autogroup").write_text(str(nice))
+    for _ in range(2):  # again: a thread started during the first pass by one not yet set
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            with contextlib.suppress(OSError):
+                if os.getsid(pid) == session:
+                    for tid in _threads(pid):
+                        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 @dataclass
@@ -184,7 +195,6 @@ class RayCluster:
             else [f"--address={self.address}"]
         )
         argv = [ray, "start", "--block", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", *where]
-        argv += [f"--{flag}={p}" for flag, p in AGENT_PORTS.items()]
         with self.node_log(host).open("wb") as log:  # its end goes into wait_for_nodes' error
             self.nodes[host.namespace] = subprocess.Popen(
                 host.command(argv),
@@ -193,6 +203,7 @@ class RayCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        _set_priority(self.nodes[host.namespace].pid, START_NICE)
 
     def node_log(self, host: Host) -> Path:
         """The output of ``host``'s ``ray start`` (in the cluster's folder)."""
@@ -224,6 +235,11 @@ class RayCluster:
                 )
             time.sleep(0.5)
 
+    def back_to_normal_priority(self) -> None:
+        """Every node's session back at CPU priority 0 (they start at :data:`START_NICE`)."""
+        for p in self.nodes.values():
+            _set_priority(p.pid, 0)
+
     def _node_states(self) -> str:
         """Each node's ``ray start``: running or its exit status, and the end of its output (the folder
         holding it goes with the cluster)."""
@@ -254,6 +270,14 @@ class RayCluster:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process ``pid`` (none if it has exited)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
 def _active_nodes(status: str) -> int:
     """The number of nodes ``ray status`` lists as active."""
     lines = status.splitlines()
@@ -275,7 +299,8 @@ def ray_cluster(
 ) -> Iterator[RayCluster]:
     """A Ray node in each host (the head in ``hosts[0]``), ``cpus[i]`` CPUs on host ``i``, token
     authentication on (a fresh token). ``health_checks``: the head's node health-check settings
-    (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in about 20 s)."""
+    (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in about 20 s). The nodes start at
+    :data:`START_NICE` and run at priority 0 once they have joined."""
     inherited = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # another host's interface
     env = {
         **inherited,
@@ -295,6 +320,7 @@ def ray_cluster(
         for host, n in zip(hosts[1:], cpus[1:], strict=True):  # (they wait for the head to come up)
             cluster.start_node(host, num_cpus=n)
         cluster.wait_for_nodes(len(hosts))
+        cluster.back_to_normal_priority()
         yield cluster
     finally:
         cluster.stop()
