@@ -149,26 +149,47 @@ host: with 4 checks of 2 s, a head raylet frozen for 12 s was marked dead and to
 
 
 START_NICE = -15
-"""The CPU priority of each node's ``ray start`` and everything it starts (its raylet, GCS, agents: one
-session, so one scheduler autogroup where the kernel groups by session) until the nodes have joined;
-then back to 0 (:meth:`RayCluster.back_to_normal_priority`). A raylet waits for its agents (Python
-processes) to report their ports and exits after 15 s without them (``ray start`` itself waits 30 s for
-its raylet). On a 2-core machine loaded by other tests, the head's half-dozen Python processes shared
-one session's share of the cores, the agents took longer, and the node never came up. A test host is a
+"""How many nice levels each node's ``ray start`` and the processes of its session (its raylet, GCS,
+agents: one scheduler autogroup where the kernel groups by session) run above the test process until
+the nodes have joined (:meth:`RayCluster.wait_for_nodes`), when they are set back to its level. A
+raylet waits for its agents (Python processes) to report their ports and exits after 15 s without them
+(``ray start`` itself waits 30 s for its raylet). On a 2-core machine loaded by other tests, the head's half-dozen Python processes shared one
+session's share of the cores, the agents took longer, and the node never came up. A test host is a
 machine of its own: its node starts as it would on an idle one."""
 
 
-def _set_priority(session: int, nice: int) -> None:
-    """The priority of session leader ``session``'s scheduler autogroup (where the kernel has them) and
-    of every thread of every process in that session."""
-    with contextlib.suppress(OSError):  # no autogroups, or the session is gone
+def _write_autogroup_nice(session: int, nice: int) -> None:
+    """The nice of session leader ``session``'s scheduler autogroup (nothing where the kernel has none)."""
+    with contextlib.suppress(OSError):
         Path(f"/proc/{session}/autogroup").write_text(str(nice))
-    for _ in range(2):  # again: a thread started during the first pass by one not yet set
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            with contextlib.suppress(OSError):
-                if os.getsid(pid) == session:
-                    for tid in _threads(pid):
-                        os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def _lower_session(session: int, nice: int) -> None:
+    """Every thread of every process in session ``session`` that runs above ``nice`` (a lower nice) set to
+    it; pass after pass until none is left (threads start lazily)."""
+    for _ in range(10):
+        above = [t for pid in _session_pids(session) for t in _threads(pid) if _nice(t) < nice]
+        if not above:
+            return
+        for tid in above:
+            with contextlib.suppress(OSError):  # (gone since)
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def _nice(tid: int) -> int:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:  # gone
+        return 19
+
+
+def _session_pids(session: int) -> list[int]:
+    out = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == session:
+                out.append(pid)
+    return out
 
 
 @dataclass
@@ -183,6 +204,8 @@ class RayCluster:
     temp_dir: str
     nodes: dict[str, subprocess.Popen] = field(default_factory=dict)
     """Host namespace -> its ``ray start --block`` process."""
+    raised: set[int] = field(default_factory=set)
+    """The sessions of nodes started at :data:`START_NICE` and not yet set back."""
 
     def start_node(
         self, host: Host, *, num_cpus: int, head: bool = False, extra_env: dict | None = None
@@ -203,7 +226,13 @@ class RayCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _set_priority(self.nodes[host.namespace].pid, START_NICE)
+        session = self.nodes[host.namespace].pid  # (its leader: Popen returns once it has exec'd)
+        _write_autogroup_nice(session, START_NICE)
+        with contextlib.suppress(OSError):  # one thread so far; what it starts inherits the priority
+            os.setpriority(
+                os.PRIO_PROCESS, session, max(-20, os.getpriority(os.PRIO_PROCESS, 0) + START_NICE)
+            )
+        self.raised.add(session)
 
     def node_log(self, host: Host) -> Path:
         """The output of ``host``'s ``ray start`` (in the cluster's folder)."""
@@ -227,6 +256,7 @@ class RayCluster:
                 )
             done = self.status()
             if done.returncode == 0 and _active_nodes(done.stdout) == n:
+                self._back_to_normal_priority()
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -235,10 +265,12 @@ class RayCluster:
                 )
             time.sleep(0.5)
 
-    def back_to_normal_priority(self) -> None:
-        """Every node's session back at CPU priority 0 (they start at :data:`START_NICE`)."""
-        for p in self.nodes.values():
-            _set_priority(p.pid, 0)
+    def _back_to_normal_priority(self) -> None:
+        """Each raised node's session back at this process's priority (its autogroup at 0)."""
+        while self.raised:
+            session = self.raised.pop()
+            _write_autogroup_nice(session, 0)
+            _lower_session(session, os.getpriority(os.PRIO_PROCESS, 0))
 
     def _node_states(self) -> str:
         """Each node's ``ray start``: running or its exit status, and the end of its output (the folder
@@ -300,7 +332,7 @@ def ray_cluster(
     """A Ray node in each host (the head in ``hosts[0]``), ``cpus[i]`` CPUs on host ``i``, token
     authentication on (a fresh token). ``health_checks``: the head's node health-check settings
     (default :data:`FAST_HEALTH_CHECKS`, so that a lost host is noticed in about 20 s). The nodes start at
-    :data:`START_NICE` and run at priority 0 once they have joined."""
+    :data:`START_NICE` and are set back once they have joined."""
     inherited = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}  # another host's interface
     env = {
         **inherited,
@@ -320,7 +352,6 @@ def ray_cluster(
         for host, n in zip(hosts[1:], cpus[1:], strict=True):  # (they wait for the head to come up)
             cluster.start_node(host, num_cpus=n)
         cluster.wait_for_nodes(len(hosts))
-        cluster.back_to_normal_priority()
         yield cluster
     finally:
         cluster.stop()
