@@ -153,9 +153,9 @@ START_NICE = -15
 agents: one scheduler autogroup where the kernel groups by session) run above the test process until
 the nodes have joined (:meth:`RayCluster.wait_for_nodes`), when they are set back to its level. A
 raylet waits for its agents (Python processes) to report their ports and exits after 15 s without them
-(``ray start`` itself waits 30 s for its raylet). On a 2-core machine loaded by other tests, the head's half-dozen Python processes shared one
-session's share of the cores, the agents took longer, and the node never came up. A test host is a
-machine of its own: its node starts as it would on an idle one."""
+(``ray start`` itself waits 30 s for its raylet). On a 2-core machine loaded by other tests, the
+head's half-dozen Python processes shared one session's share of the cores, the agents took longer, and
+the node never came up. A test host is a machine of its own: its node starts as it would on an idle one."""
 
 
 def _write_autogroup_nice(session: int, nice: int) -> None:
