@@ -3,6 +3,8 @@
 Importing it sets ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` in ``os.environ`` unless set: Ray reads it once,
 when first imported, and with it on, a driver started by ``uv run`` makes every Ray worker rebuild the
 project's environment with ``uv run`` in a copy of the working directory (without the extras: no vLLM).
+It also sets how long idle OpenMP threads spin (``runtime.openmp``), for this process and the Ray
+processes it starts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from types import ModuleType
 from typing import Annotated, Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # before anything imports Ray
+from rlhf_cli.runtime.openmp import openmp_env  # imports nothing heavy
+
+os.environ.update(openmp_env(os.environ))  # before torch loads libgomp; the Ray processes we start inherit it
 
 import typer
 
