@@ -8,23 +8,12 @@ Every test is checked for processes it leaves behind, orphans included (``leftov
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
 fails at teardown, naming the processes. Fixtures shared by several tests are checked the same way at
 the end of their module and of the session.
-
-The test processes, and the processes they start, spin idle OpenMP threads as long as ``rlhf`` does
-(``rlhf_cli.runtime.openmp``: 10,000 loops, not libgomp's 300,000), unless the environment says how
-threads wait: the suite runs two test processes on two cores, and a test's spinning threads took the
-time slices the other test's working threads waited for. The plugin sets it when it is loaded, before
-torch (and with it libgomp, which reads it once) is imported.
 """
 
 from __future__ import annotations
 
-import os
-
-from rlhf_cli.runtime.openmp import openmp_env
-
-os.environ.update(openmp_env(os.environ))  # before anything loads torch
-
 import pytest
+from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 from rlhf_testkit.leftovers import become_subreaper, descendants, leftovers
 
@@ -58,8 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen2 causal LM + tokenizer folder, built once per test session."""
-    from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), TinyModelSpec())
 
 
