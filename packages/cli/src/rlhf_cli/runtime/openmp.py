@@ -13,8 +13,8 @@ SPIN_COUNT = 10_000
 these CPUs). A team's spinning threads take the time slices its working thread waits for when anything
 else runs on the machine: README's first command beside a one-core busy loop took 480 s with libgomp's
 default, 169 s with 10,000, 131 s with 1,000 and 114 s never spinning (``OMP_WAIT_POLICY=PASSIVE``);
-alone, 89-92 s with each of these but passive, and passive made the 23M GRPO step 1.9x slower
-(3.05 s -> 5.8 s; 10,000: 3.05 s). ``benchmarks/openmp_spin.py`` measures it."""
+alone, 89-92 s with the default, 10,000 and passive (1,000: 109 s), and passive made the 23M GRPO step
+1.9x slower (3.05 s -> 5.8 s; 10,000: 3.05 s). ``benchmarks/openmp_spin.py`` measures it."""
 
 
 def openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
