@@ -592,3 +592,24 @@ def test_fp32_zero_stage_0_reports_the_gradient_norm_zero_2_reports(dist_single,
         ]
     assert norms[0][0] is not None and norms[0][0] > 1e-3  # clipped: the norm is the one before the clip
     assert norms[0] == pytest.approx(norms[2], rel=1e-4)
+
+
+def test_zero2_on_one_rank_runs_as_stage_0_with_the_same_updates(dist_single, tiny_model_dir):
+    """``for_ranks(1)`` turns ZeRO-2 into stage 0 (nothing to shard on one rank): three AdamW steps with
+    gradient clipping move the weights as ZeRO-2's partitioned optimizer does. Kept: offload (it needs
+    ZeRO) and bf16 with accumulation (stage 0 would sum the gradients in bf16)."""
+    zero2 = StrategyOptions(zero_stage=2, lr=3e-3, grad_clip=0.5)
+    assert zero2.for_ranks(1).zero_stage == 0 and zero2.for_ranks(2).zero_stage == 2
+    assert StrategyOptions(zero_stage=2, offload_optimizer=True).for_ranks(1).zero_stage == 2
+    assert StrategyOptions(zero_stage=1, precision="bf16", grad_accum_steps=2).for_ranks(1).zero_stage == 1
+    assert StrategyOptions(zero_stage=1, precision="bf16").for_ranks(1).zero_stage == 0
+    mb = _rows(2, 12, 3)
+    mb["loss_mask"] = mb.pop("action_mask")
+    states = []
+    for options in (zero2, zero2.for_ranks(1)):
+        engine = Strategy(options).prepare(Actor(load_causal_lm(tiny_model_dir)))
+        losses = [sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss).loss for _ in range(3)]
+        states.append((losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
+    assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)
+    for k, v in states[0][1].items():
+        torch.testing.assert_close(states[1][1][k], v, atol=1e-5, rtol=1e-4)

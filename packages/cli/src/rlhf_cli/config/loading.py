@@ -58,26 +58,41 @@ def _branch_type(annotation: Any) -> type | None:
 @functools.cache
 def _attribute_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a class and its bases (the string literal after each field); read once
-    per class (parsing the source is slow, and every flag parse and ``--help`` needs them)."""
-    import ast
+    per class (every flag parse and ``--help`` needs them)."""
     import inspect
 
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        try:
-            tree = ast.parse(inspect.getsource(klass))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for stmt, nxt in itertools.pairwise(body):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                out[stmt.target.id] = " ".join(nxt.value.value.split())
+        with contextlib.suppress(OSError, TypeError):
+            out |= _module_docs(inspect.getsourcefile(klass) or "").get(klass.__qualname__, {})
+    return out
+
+
+@functools.cache
+def _module_docs(filename: str) -> dict[str, dict[str, str]]:
+    """``{class qualname: {attribute: docstring}}`` for the classes of one source file, parsed once
+    (``inspect.getsource`` re-parses the whole module for each class: over a second per command)."""
+    import ast
+
+    out: dict[str, dict[str, str]] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                docs = out.setdefault(prefix + node.name, {})
+                for stmt, nxt in itertools.pairwise(node.body):
+                    if (
+                        isinstance(stmt, ast.AnnAssign)
+                        and isinstance(stmt.target, ast.Name)
+                        and isinstance(nxt, ast.Expr)
+                        and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)
+                    ):
+                        docs[stmt.target.id] = " ".join(nxt.value.value.split())
+                visit(node.body, f"{prefix}{node.name}.")
+
+    with contextlib.suppress(OSError, SyntaxError, ValueError):
+        visit(ast.parse(Path(filename).read_text()).body, "")
     return out
 
 

@@ -107,6 +107,7 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Grou
             micro_batch_size=cfg.train.micro_batch_size,
             grad_accum_steps=cfg.grad_accum_steps,
             seed=cfg.train.seed,
+            world_size=world,
             frozen=frozen,
             lr_schedule=None if frozen else cfg.model.lr_schedule(cfg.learning_rate, steps),
         )

@@ -67,6 +67,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             micro_batch_size=cfg.train.micro_batch_size,
             grad_accum_steps=per_rank,
             seed=cfg.train.seed,
+            world_size=world,
             frozen=frozen,
             lr_schedule=trained.lr_schedule(lr, total) if trained is not None else None,
         )

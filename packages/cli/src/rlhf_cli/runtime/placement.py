@@ -119,7 +119,7 @@ def _learner_group(
     divided over the ranks as the ZeRO stage shards them (none on the device when offloaded; with LoRA
     only the adapters train: their few parameters are not counted); on GPU (``load``: sequence length,
     rows) plus ``activation_bytes`` of one micro-batch."""
-    ds = ds if g.trains else ds.for_inference()
+    ds = ds.for_ranks(g.world) if g.trains else ds.for_inference()
     bf16, n = ds.precision == "bf16", shape.params
     shard = lambda b, on: b / g.world if ds.zero_stage >= on else b  # noqa: E731
     parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}

@@ -130,11 +130,13 @@ def group_strategy(
     micro_batch_size: int,
     grad_accum_steps: int,
     seed: int,
+    world_size: int,
     frozen: bool,
     lr_schedule: LRSchedule | None = None,
 ) -> StrategyOptions:
     """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
-    model) runs as ``StrategyOptions.for_inference`` says."""
+    model) runs as ``StrategyOptions.for_inference`` says, a trained one as ``for_ranks`` says (one rank:
+    ZeRO-1/2 run as stage 0)."""
     from dataclasses import replace
 
     options = replace(
@@ -145,4 +147,4 @@ def group_strategy(
         seed=seed,
         lr_schedule=lr_schedule or LRSchedule(),
     )
-    return options.for_inference() if frozen else options
+    return options.for_inference() if frozen else options.for_ranks(world_size)
