@@ -188,8 +188,13 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _batches(self) -> PPOConfig:
-        """Each group's ranks get equal shards that the micro-batch size divides."""
+        """Each group's ranks get equal shards that the micro-batch size divides (the built-in demo's
+        default: one micro-batch per rank, see ``TrainConfig.micro_batch_size``)."""
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
+        demo = self.builtin_task and self.actor.pretrain is None
+        if demo and "micro_batch_size" not in self.train.model_fields_set:
+            dp = data_parallel_size(self.actor.world_size, self.ds)
+            self.train.micro_batch_size = max(1, self.optimizer_batch_size // dp)
         b = self.train.batch_size
         if b is not None and self.samples_per_step % b:
             raise ValueError(

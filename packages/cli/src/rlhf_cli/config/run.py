@@ -104,7 +104,8 @@ class TrainConfig(Section):
     num_steps: int = Field(60, ge=1)
     """Training steps (one rollout batch and its updates each)."""
     micro_batch_size: int = Field(16, ge=1)
-    """Samples per micro-batch on each data-parallel rank."""
+    """Samples per micro-batch on each data-parallel rank. Unset in the built-in demo (no model, data or
+    reward given): a rank's whole mini-batch, one micro-batch (its tiny model's step then costs half)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     batch_size: int | None = Field(None, ge=1)
