@@ -92,7 +92,7 @@ def _module_docs(filename: str) -> dict[str, dict[str, str]]:
                 visit(node.body, f"{prefix}{node.name}.")
 
     with contextlib.suppress(OSError, SyntaxError, ValueError):
-        visit(ast.parse(Path(filename).read_text()).body, "")
+        visit(ast.parse(Path(filename).read_bytes()).body, "")
     return out
 
 

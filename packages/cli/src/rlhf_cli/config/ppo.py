@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from pydantic import Field, model_validator
@@ -193,8 +194,11 @@ class PPOConfig(Section):
         check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
         demo = self.builtin_task and self.actor.pretrain is None
         if demo and "micro_batch_size" not in self.train.model_fields_set:
-            dp = data_parallel_size(self.actor.world_size, self.ds)
-            self.train.micro_batch_size = max(1, self.optimizer_batch_size // dp)
+            worlds = [self.actor.world_size] + ([self.critic.world_size] if self.uses_critic else [])
+            shards = [self.optimizer_batch_size // data_parallel_size(w, self.ds) for w in worlds]
+            train = self.train.model_copy()  # a TrainConfig passed in stays as it was
+            train.micro_batch_size = max(1, math.gcd(*shards))
+            self.train = train
         b = self.train.batch_size
         if b is not None and self.samples_per_step % b:
             raise ValueError(

@@ -15,7 +15,7 @@ from rlhf_cli.config import OfflineConfig
 from rlhf_cli.data.examples import ExampleSet, split_heldout
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
-from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
+from rlhf_cli.runtime.checkpoint import RunState, resumable_changes, zero_partitioned
 from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.failures import naming_nonfinite
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups
@@ -110,6 +110,7 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Grou
             world_size=world,
             frozen=frozen,
             lr_schedule=None if frozen else cfg.model.lr_schedule(cfg.learning_rate, steps),
+            keep_stage=zero_partitioned(r.resume_from, "model"),
         )
 
     w, path = cfg.model.world_size, str(r.model_dir)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.run import data_parallel_size
+from rlhf_cli.runtime.checkpoint import zero_partitioned
 from rlhf_cli.runtime.cluster import PlacementGroups
 from rlhf_cli.runtime.failures import Stops
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
@@ -55,10 +56,10 @@ class Components:
         return {k: g for k, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
 
 
-def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
-    """One spec per group the plan places."""
+def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> dict[str, GroupSpec]:
+    """One spec per group the plan places (see ``group_strategy`` for the trained groups' stage)."""
 
-    def strategy(lr: float, world: int, *, frozen: bool = False, trained: Any = None) -> Any:
+    def strategy(lr: float, world: int, *, frozen: bool = False, trained: Any = None, role: str = "") -> Any:
         per_rank = cfg.optimizer_batch_size // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
         total = cfg.total_optimizer_steps("actor" if trained is cfg.actor else "critic")
         return group_strategy(
@@ -69,6 +70,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             seed=cfg.train.seed,
             world_size=world,
             frozen=frozen,
+            keep_stage=cfg.train.offload_during_rollout or zero_partitioned(resume_from, role),
             lr_schedule=trained.lr_schedule(lr, total) if trained is not None else None,
         )
 
@@ -78,7 +80,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             role="actor",
             model_path=path,
             world_size=a.world_size,
-            strategy=strategy(a.lr, a.world_size, trained=a),
+            strategy=strategy(a.lr, a.world_size, trained=a, role="actor"),
             model=a.model,
             lora=a.lora,
             temperature=t,
@@ -91,7 +93,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str) -> dict[str, GroupSpec]:
             role="critic",
             model_path=c.pretrain or path,
             world_size=w,
-            strategy=strategy(c.lr, w, trained=c),
+            strategy=strategy(c.lr, w, trained=c, role="critic"),
             model=c.model,
         )
     if plan.group("ref"):
@@ -214,13 +216,19 @@ def start_components(
     stop_at_exit: Stops,
     engines: EngineClient | None = None,
     asynchronous: bool = False,
+    resume_from: Path | None = None,
 ) -> Components:
     """Start every learner group, then (while they set up) the engines unless ``engines`` are given,
     then join the weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
-    concurrent calls and serve pauses and weight updates while generating."""
+    concurrent calls and serve pauses and weight updates while generating. ``resume_from``: the
+    checkpoint the run resumes (its groups keep the ZeRO stage it was written with)."""
     path = str(model_dir)
     groups = launch_groups(
-        _specs(cfg, plan, path), plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit
+        _specs(cfg, plan, path, resume_from),
+        plan,
+        pgs,
+        timeout_s=cfg.ray.timeout_s,
+        stop_at_exit=stop_at_exit,
     )
     if engines is None:
         engines = _start_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)

@@ -70,6 +70,7 @@ def _start(
         stop_at_exit=r.stop_at_exit,
         engines=engines,
         asynchronous=asynchronous,
+        resume_from=r.resume_from,
     )
     state = r.resume(c.learner_groups(), RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef))
     if r.resume_from is None and cfg.warmup_runs:

@@ -173,6 +173,13 @@ def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RE
     check_compatible(json.loads(saved.read_text()), config, where=path, resumable=resumable)
 
 
+def zero_partitioned(path: Path | None, role: str) -> bool:
+    """Whether checkpoint ``path`` holds ``role``'s optimizer as ZeRO partitions (written at ZeRO-1/2/3):
+    that group resumes at its configured stage even on one rank, where ``StrategyOptions.for_ranks``
+    would pick stage 0 (whose engine reads the optimizer from the model-states file instead)."""
+    return path is not None and any((path / role).glob("*/zero_pp_rank_*optim_states.pt"))
+
+
 def load_checkpoint(path: Path, groups: dict[str, LearnerGroup]) -> RunState:
     state = read_run_state(path)
     for role, group in groups.items():

@@ -112,14 +112,20 @@ class _Learner:
 
 
 def _learner_group(
-    g: _Learner, shape: ModelShape, ds: StrategyOptions, bundle: dict, load: tuple[int, int] | None
+    g: _Learner,
+    shape: ModelShape,
+    ds: StrategyOptions,
+    bundle: dict,
+    load: tuple[int, int] | None,
+    keep_stage: bool = False,
 ) -> GroupPlan:
     """A learner group's plan. Per process: weights (2 bytes in bf16, else 4) and, when it trains, fp32
     gradients and Adam states (fp32 master + two moments: 12 bytes in bf16; the moments: 8 in fp32),
     divided over the ranks as the ZeRO stage shards them (none on the device when offloaded; with LoRA
     only the adapters train: their few parameters are not counted); on GPU (``load``: sequence length,
     rows) plus ``activation_bytes`` of one micro-batch."""
-    ds = ds.for_ranks(g.world) if g.trains else ds.for_inference()
+    trained = ds if keep_stage else ds.for_ranks(g.world)  # as ``group_strategy`` gives it
+    ds = trained if g.trains else ds.for_inference()
     bf16, n = ds.precision == "bf16", shape.params
     shard = lambda b, on: b / g.world if ds.zero_stage >= on else b  # noqa: E731
     parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}
@@ -334,7 +340,8 @@ def make_plan(
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
     load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None
-    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, per, load) for s in _ppo_learners(cfg)]
+    keep = cfg.train.offload_during_rollout
+    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, per, load, keep) for s in _ppo_learners(cfg)]
     shapes = {"actor": cfg.actor, "critic": cfg.critic, "ref": cfg.ref, "reward": cfg.reward}
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)

@@ -133,10 +133,12 @@ def group_strategy(
     world_size: int,
     frozen: bool,
     lr_schedule: LRSchedule | None = None,
+    keep_stage: bool = False,
 ) -> StrategyOptions:
     """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
     model) runs as ``StrategyOptions.for_inference`` says, a trained one as ``for_ranks`` says (one rank:
-    ZeRO-1/2 run as stage 0)."""
+    ZeRO-1/2 run as stage 0) unless ``keep_stage`` (its checkpoint holds ZeRO partitions, or its states
+    are offloaded between phases, which needs a ZeRO optimizer)."""
     from dataclasses import replace
 
     options = replace(
@@ -147,4 +149,6 @@ def group_strategy(
         seed=seed,
         lr_schedule=lr_schedule or LRSchedule(),
     )
-    return options.for_inference() if frozen else options.for_ranks(world_size)
+    if frozen:
+        return options.for_inference()
+    return options if keep_stage else options.for_ranks(world_size)
