@@ -70,6 +70,21 @@ def test_rows_are_laid_out_for_the_kernel_and_outputs_put_back():
     assert same[0] is two["input_ids"]
 
 
+def test_narrow_rows_keep_every_sequence_whole_and_put_every_token_back():
+    """Random packings: each narrow row is whole sequences (positions 0..n-1 each, then its tail's own
+    positions), and ``back`` returns every token, tails included, to its place in the given rows."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lens = torch.randint(1, 40, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+        t = pack_sequences(_seqs(lens), max_tokens_per_row=sum(lens) + 3).tensors
+        ids, pos, back = for_kernel(t["input_ids"], t["position_ids"], attn_implementation="eager")
+        assert ids.shape[1] == max(*lens, 3) or ids is t["input_ids"]
+        assert torch.equal(back(ids[..., None])[..., 0], t["input_ids"])
+        assert torch.equal(back(pos[..., None])[..., 0], t["position_ids"])
+        steps = pos[:, 1:] - pos[:, :-1]
+        assert bool(((steps == 1) | (pos[:, 1:] == 0)).all()) and bool((pos[:, 0] == 0).all())
+
+
 def test_pack_layout_and_unpack_roundtrip():
     seqs = _seqs([5, 2, 7])
     packed = pack_sequences(seqs, max_tokens_per_row=8, pad_values={"input_ids": 0})

@@ -596,8 +596,9 @@ def test_fp32_zero_stage_0_reports_the_gradient_norm_zero_2_reports(dist_single,
 
 def test_zero2_on_one_rank_runs_as_stage_0_with_the_same_updates(dist_single, tiny_model_dir):
     """``for_ranks(1)`` turns ZeRO-2 into stage 0 (nothing to shard on one rank): three AdamW steps with
-    gradient clipping move the weights as ZeRO-2's partitioned optimizer does. Kept: offload (it needs
-    ZeRO) and bf16 with accumulation (stage 0 would sum the gradients in bf16)."""
+    gradient clipping move the weights as ZeRO-2's partitioned optimizer does (stage 0 on one rank also
+    skips the gradient all-reduce). Kept: offload (it needs ZeRO) and bf16 with accumulation (stage 0
+    would sum the gradients in bf16)."""
     zero2 = StrategyOptions(zero_stage=2, lr=3e-3, grad_clip=0.5)
     assert zero2.for_ranks(1).zero_stage == 0 and zero2.for_ranks(2).zero_stage == 2
     assert StrategyOptions(zero_stage=2, offload_optimizer=True).for_ranks(1).zero_stage == 2
@@ -608,6 +609,7 @@ def test_zero2_on_one_rank_runs_as_stage_0_with_the_same_updates(dist_single, ti
     states = []
     for options in (zero2, zero2.for_ranks(1)):
         engine = Strategy(options).prepare(Actor(load_causal_lm(tiny_model_dir)))
+        assert engine.enable_backward_allreduce == (options.zero_stage != 0)  # stage 0: none on one rank
         losses = [sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss).loss for _ in range(3)]
         states.append((losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
     assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)

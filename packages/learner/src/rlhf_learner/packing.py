@@ -10,7 +10,6 @@ The tail of a row is padding with its own positions (one extra "sequence" that e
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -62,34 +61,43 @@ def _narrow_rows(input_ids: torch.Tensor, position_ids: torch.Tensor):
     rows, width = input_ids.shape
     if bool((position_ids[:, 0] != 0).any()):  # not rows of whole sequences
         return input_ids, position_ids, _same
-    spans = []  # (row, start, end) of every sequence, the padding tail of a row included
-    for r in range(rows):
-        starts = [*(position_ids[r] == 0).nonzero().flatten().tolist(), width]
-        spans += [(r, a, b) for a, b in itertools.pairwise(starts)]
-    lengths = [b - a for _, a, b in spans]
+    # Every sequence as a span (row, start, length), the padding tail of a row included: a span starts
+    # where the positions restart and ends where the next one starts (or at the row's end).
+    span_row, span_start = (position_ids == 0).nonzero(as_tuple=True)
+    last = torch.ones_like(span_row, dtype=torch.bool)
+    last[:-1] = span_row[1:] != span_row[:-1]
+    span_end = torch.where(last, width, span_start.roll(-1))
+    span_len = span_end - span_start
+    lengths = span_len.tolist()
     longest = max(lengths)
     if 2 * longest > width:
         return input_ids, position_ids, _same
     plan = plan_rows(lengths, max_tokens_per_row=longest)
+    new_row = torch.empty_like(span_row)
+    offset = torch.empty_like(span_start)
+    for r, members in enumerate(plan):
+        taken = 0
+        for i in members:
+            new_row[i], offset[i] = r, taken
+            taken += lengths[i]
+    # One flat index per token: where it is in the given rows (src) and in the narrow ones (dst).
+    span_of = torch.repeat_interleave(torch.arange(len(lengths)), span_len.cpu())
+    within = torch.arange(len(span_of)) - (span_len.cumsum(0) - span_len).cpu()[span_of]
+    src = ((span_row * width + span_start).cpu()[span_of] + within).to(input_ids.device)
+    dst = ((new_row * longest + offset).cpu()[span_of] + within).to(input_ids.device)
     ids = input_ids.new_zeros((len(plan), longest))
     pos = torch.arange(longest, device=position_ids.device).repeat(len(plan), 1)  # tails: own sequence
-    src, dst = [], []
-    for new_row, members in enumerate(plan):
-        offset = 0
-        for i in members:
-            r, a, b = spans[i]
-            ids[new_row, offset : offset + b - a] = input_ids[r, a:b]
-            pos[new_row, offset : offset + b - a] = position_ids[r, a:b]
-            src += [(r, c) for c in range(a, b)]
-            dst += [(new_row, offset + c) for c in range(b - a)]
-            offset += b - a
-        pos[new_row, offset:] = torch.arange(longest - offset, device=pos.device)
-    s, d = torch.tensor(src).T, torch.tensor(dst).T
+    ids.view(-1)[dst] = input_ids.reshape(-1)[src]
+    pos.view(-1)[dst] = position_ids.reshape(-1)[src]
+    used = torch.zeros(len(plan) * longest, dtype=torch.bool, device=pos.device)
+    used[dst] = True
+    tail_start = used.view(len(plan), longest).sum(1, keepdim=True)  # each row's members, then its tail
+    pos = torch.where(used.view(len(plan), longest), pos, pos - tail_start)
 
     def back(out: torch.Tensor) -> torch.Tensor:
-        res = out.new_zeros((rows, width, *out.shape[2:]))
-        res[s[0], s[1]] = out[d[0], d[1]]
-        return res
+        res = out.new_zeros((rows * width, *out.shape[2:]))
+        res[src] = out.reshape(len(plan) * longest, *out.shape[2:])[dst]
+        return res.view(rows, width, *out.shape[2:])
 
     return ids, pos, back
 

@@ -197,7 +197,7 @@ class Strategy:
         """Wrap ``model`` in a DeepSpeed engine. ``optimizer``: a torch optimizer (or a factory taking the
         parameters) instead of the configured one. ``train=False`` gives an inference engine in eval mode.
         A training engine steps ``options.lr_schedule`` once per optimizer step (its state is saved with
-        checkpoints)."""
+        checkpoints); on a one-rank world at ZeRO stage 0 it skips the gradient all-reduce."""
         import deepspeed
 
         if not dist.is_initialized():
@@ -222,6 +222,10 @@ class Strategy:
         )
         if not train:
             engine.eval()
+        elif self.world_size == 1 and self.options.zero_stage == 0:
+            # One rank: DeepSpeed would still flatten every gradient, all-reduce it over a group of one
+            # and copy it back after each backward (~5% of a 23M bf16 update on 2 CPU cores).
+            engine.enable_backward_allreduce = False
         return engine
 
     def _check_model(self, model: nn.Module) -> None:
