@@ -45,14 +45,15 @@ BEST: dict[str, dict[str, Any]] = {
         "--actor.model.attn_implementation eager",
     },
 }
-"""Each framework's fastest setting per model on the 2-core machine (median s/step of 8 steps, one run each):
+"""Each framework's fastest setting per model on the 2-core machines (median s/step of 8 steps, one run each
+unless said):
 TRL at 0.4M: fp32 + sdpa 0.24 s (bf16 + eager 0.29, fp32 + eager 0.25, bf16 + sdpa 0.34); at 23M: bf16 +
-torch_compile + eager 2.8-3.1 s (compile + sdpa 3.2, eager 3.3, bf16 + sdpa 3.5); on a later machine TRL at
-0.4M with torch_compile 0.313-0.329 s against 0.304 without. Ours at 0.4M: bf16 0.32 s (fp32 0.37; eager
+torch_compile + eager 2.8-3.1 s (compile + sdpa 3.2, eager 3.3, bf16 + sdpa 3.5); on the machine of
+2026-12-04 TRL at 0.4M with torch_compile 0.313-0.329 s against 0.304 without. Ours at 0.4M: bf16 0.32 s (fp32 0.37; eager
 attention: 0.95 s against 1.02 on a slower machine; vLLM compiled, as measured: unset, `--vllm.enforce_eager`
 would run a model this small eagerly, which shortens start-up, not the step); the compiled learner, once
-the learner's per-step Python overhead had been cut, 0.350-0.378 s against 0.416 uncompiled (alternating
-runs; it adds about a minute of start-up on a cold cache); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
+the learner's per-step Python overhead had been cut, 0.350-0.378 s against 0.416 uncompiled (2026-12-04,
+alternating runs, two each; it adds about a minute of start-up on a cold cache); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
 with ZeRO stage 0: one learner rank has nothing to shard, and ZeRO-2's step bookkeeping cost 0.3 s at 23M."""
 
 OURS_FLAGS: list[str] = []

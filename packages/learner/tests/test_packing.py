@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from rlhf_learner.models import Actor, load_causal_lm
@@ -71,18 +73,41 @@ def test_rows_are_laid_out_for_the_kernel_and_outputs_put_back():
 
 
 def test_narrow_rows_keep_every_sequence_whole_and_put_every_token_back():
-    """Random packings: each narrow row is whole sequences (positions 0..n-1 each, then its tail's own
-    positions), and ``back`` returns every token, tails included, to its place in the given rows."""
+    """Random packings into one row or several (with and without padding tails; int64 or int32
+    positions): each narrow row holds whole sequences (their tokens in order, positions 0..n-1) and then
+    its tail, and ``back`` returns every token, tails included, to its place in the given rows."""
     g = torch.Generator().manual_seed(0)
-    for _ in range(50):
+    narrowed = 0
+    for case in range(60):
         lens = torch.randint(1, 40, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-        t = pack_sequences(_seqs(lens), max_tokens_per_row=sum(lens) + 3).tensors
-        ids, pos, back = for_kernel(t["input_ids"], t["position_ids"], attn_implementation="eager")
-        assert ids.shape[1] == max(*lens, 3) or ids is t["input_ids"]
+        row = sum(lens) + 3 if case % 2 else 3 * max(lens)  # one row, or several
+        t = pack_sequences(_seqs(lens, seed=case), max_tokens_per_row=row).tensors
+        given = t["position_ids"].to(torch.int32 if case % 3 == 0 else torch.long)
+        ids, pos, back = for_kernel(t["input_ids"], given, attn_implementation="eager")
         assert torch.equal(back(ids[..., None])[..., 0], t["input_ids"])
         assert torch.equal(back(pos[..., None])[..., 0], t["position_ids"])
-        steps = pos[:, 1:] - pos[:, :-1]
-        assert bool(((steps == 1) | (pos[:, 1:] == 0)).all()) and bool((pos[:, 0] == 0).all())
+        if ids is t["input_ids"]:
+            continue
+        narrowed += 1
+        assert ids.shape[1] == max(lens + [n for n in _tails(t["position_ids"])])
+        pieces = []  # every narrow row cut where positions restart: whole sequences, then the tail
+        for r in range(ids.shape[0]):
+            starts = [*(pos[r] == 0).nonzero().flatten().tolist(), ids.shape[1]]
+            for a, b in itertools.pairwise(starts):
+                assert torch.equal(pos[r, a:b], torch.arange(b - a))
+                pieces.append(tuple(ids[r, a:b].tolist()))
+        whole = [tuple(s["input_ids"].tolist()) for s in _seqs(lens, seed=case)]
+        assert sorted(p for p in pieces if any(p)) == sorted(whole)  # the tails are all zeros
+    assert narrowed >= 20
+
+
+def _tails(position_ids):
+    """Lengths of the rows' padding tails (the last span of a row that is not a sequence)."""
+    out = []
+    for r in range(position_ids.shape[0]):
+        starts = (position_ids[r] == 0).nonzero().flatten().tolist()
+        out.append(position_ids.shape[1] - starts[-1])
+    return out
 
 
 def test_pack_layout_and_unpack_roundtrip():

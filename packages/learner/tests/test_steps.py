@@ -596,9 +596,8 @@ def test_fp32_zero_stage_0_reports_the_gradient_norm_zero_2_reports(dist_single,
 
 def test_zero2_on_one_rank_runs_as_stage_0_with_the_same_updates(dist_single, tiny_model_dir):
     """``for_ranks(1)`` turns ZeRO-2 into stage 0 (nothing to shard on one rank): three AdamW steps with
-    gradient clipping move the weights as ZeRO-2's partitioned optimizer does (stage 0 on one rank also
-    skips the gradient all-reduce). Kept: offload (it needs ZeRO) and bf16 with accumulation (stage 0
-    would sum the gradients in bf16)."""
+    gradient clipping move the weights as ZeRO-2's partitioned optimizer does. Kept: offload (it needs
+    ZeRO) and bf16 with accumulation (stage 0 would sum the gradients in bf16)."""
     zero2 = StrategyOptions(zero_stage=2, lr=3e-3, grad_clip=0.5)
     assert zero2.for_ranks(1).zero_stage == 0 and zero2.for_ranks(2).zero_stage == 2
     assert StrategyOptions(zero_stage=2, offload_optimizer=True).for_ranks(1).zero_stage == 2
@@ -609,9 +608,34 @@ def test_zero2_on_one_rank_runs_as_stage_0_with_the_same_updates(dist_single, ti
     states = []
     for options in (zero2, zero2.for_ranks(1)):
         engine = Strategy(options).prepare(Actor(load_causal_lm(tiny_model_dir)))
-        assert engine.enable_backward_allreduce == (options.zero_stage != 0)  # stage 0: none on one rank
         losses = [sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss).loss for _ in range(3)]
         states.append((losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}))
     assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)
     for k, v in states[0][1].items():
         torch.testing.assert_close(states[1][1][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_on_one_rank_skips_the_all_reduce_with_the_same_updates(dist_single, tiny_model_dir):
+    """A one-rank bf16 ZeRO-0 engine skips DeepSpeed's gradient all-reduce (a group of one: nothing to
+    average) and moves the weights bit for bit as with it, a parameter without a gradient included (the
+    frozen-then-unused case: the wrapper gives it a zero gradient, as the all-reduce would)."""
+    options = StrategyOptions(zero_stage=0, precision="bf16", lr=3e-3, grad_clip=0.5, weight_decay=1.0)
+    mb = _rows(2, 12, 3)
+    mb["loss_mask"] = mb.pop("action_mask")
+    states = []
+    for reduce in (False, True):
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_model_dir)
+        unused = torch.nn.Parameter(torch.ones(3))
+        model.register_parameter("unused_extra", unused)  # trained, but no loss reaches it
+        engine = Strategy(options).prepare(Actor(model))
+        assert engine.enable_backward_allreduce is False
+        engine.enable_backward_allreduce = reduce
+        for _ in range(3):
+            sft_step(engine, [SFTBatch(**mb)], sft_loss_fn=sft_loss)
+        states.append({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+    assert float(states[0]["model.unused_extra"][0]) < 1.0  # weight decay reached it
+    for k, v in states[1].items():
+        assert torch.equal(states[0][k], v), k
+    one = Strategy(StrategyOptions(zero_stage=0)).prepare(Actor(load_causal_lm(tiny_model_dir)))
+    assert one.enable_backward_allreduce  # fp32 keeps it: its plain optimizer skips None gradients

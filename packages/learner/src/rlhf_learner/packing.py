@@ -63,32 +63,29 @@ def _narrow_rows(input_ids: torch.Tensor, position_ids: torch.Tensor):
         return input_ids, position_ids, _same
     # Every sequence as a span (row, start, length), the padding tail of a row included: a span starts
     # where the positions restart and ends where the next one starts (or at the row's end).
-    span_row, span_start = (position_ids == 0).nonzero(as_tuple=True)
+    span_row, span_start = (position_ids == 0).cpu().nonzero(as_tuple=True)
     last = torch.ones_like(span_row, dtype=torch.bool)
     last[:-1] = span_row[1:] != span_row[:-1]
-    span_end = torch.where(last, width, span_start.roll(-1))
-    span_len = span_end - span_start
+    span_len = torch.where(last, width, span_start.roll(-1)) - span_start
     lengths = span_len.tolist()
     longest = max(lengths)
     if 2 * longest > width:
         return input_ids, position_ids, _same
     plan = plan_rows(lengths, max_tokens_per_row=longest)
-    new_row = torch.empty_like(span_row)
-    offset = torch.empty_like(span_start)
+    new_row, offset = [0] * len(lengths), [0] * len(lengths)
     for r, members in enumerate(plan):
         taken = 0
         for i in members:
-            new_row[i], offset[i] = r, taken
-            taken += lengths[i]
+            new_row[i], offset[i], taken = r, taken, taken + lengths[i]
     # One flat index per token: where it is in the given rows (src) and in the narrow ones (dst).
-    span_of = torch.repeat_interleave(torch.arange(len(lengths)), span_len.cpu())
-    within = torch.arange(len(span_of)) - (span_len.cumsum(0) - span_len).cpu()[span_of]
-    src = ((span_row * width + span_start).cpu()[span_of] + within).to(input_ids.device)
-    dst = ((new_row * longest + offset).cpu()[span_of] + within).to(input_ids.device)
+    span_of = torch.repeat_interleave(torch.arange(len(lengths)), span_len)
+    within = torch.arange(len(span_of)) - (span_len.cumsum(0) - span_len)[span_of]
+    src = ((span_row * width + span_start)[span_of] + within).to(input_ids.device)
+    dst = ((torch.tensor(new_row) * longest + torch.tensor(offset))[span_of] + within).to(input_ids.device)
     ids = input_ids.new_zeros((len(plan), longest))
     pos = torch.arange(longest, device=position_ids.device).repeat(len(plan), 1)  # tails: own sequence
     ids.view(-1)[dst] = input_ids.reshape(-1)[src]
-    pos.view(-1)[dst] = position_ids.reshape(-1)[src]
+    pos.view(-1)[dst] = position_ids.reshape(-1)[src].to(pos.dtype)
     used = torch.zeros(len(plan) * longest, dtype=torch.bool, device=pos.device)
     used[dst] = True
     tail_start = used.view(len(plan), longest).sum(1, keepdim=True)  # each row's members, then its tail

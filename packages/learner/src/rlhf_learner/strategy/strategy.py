@@ -197,7 +197,7 @@ class Strategy:
         """Wrap ``model`` in a DeepSpeed engine. ``optimizer``: a torch optimizer (or a factory taking the
         parameters) instead of the configured one. ``train=False`` gives an inference engine in eval mode.
         A training engine steps ``options.lr_schedule`` once per optimizer step (its state is saved with
-        checkpoints); on a one-rank world at ZeRO stage 0 it skips the gradient all-reduce."""
+        checkpoints); in bf16 on a one-rank world at ZeRO stage 0 it skips the gradient all-reduce."""
         import deepspeed
 
         if not dist.is_initialized():
@@ -222,9 +222,11 @@ class Strategy:
         )
         if not train:
             engine.eval()
-        elif self.world_size == 1 and self.options.zero_stage == 0:
+        elif self.world_size == 1 and self.options.zero_stage == 0 and self.options.precision == "bf16":
             # One rank: DeepSpeed would still flatten every gradient, all-reduce it over a group of one
-            # and copy it back after each backward (~5% of a 23M bf16 update on 2 CPU cores).
+            # and copy it back after each backward (~5% of a 23M bf16 update on 2 CPU cores). bf16 only:
+            # its optimizer wrapper gives a parameter without a gradient a zero one, as the all-reduce
+            # does (fp32's plain optimizer would skip it: no weight decay for an unrouted expert).
             engine.enable_backward_allreduce = False
         return engine
 
