@@ -51,7 +51,7 @@ def test_a_node_starts_on_a_core_loaded_past_its_share_and_then_runs_at_normal_p
                 hosts[1].kill_all()
                 for h in hogs:
                     h.wait(timeout=30)
-                status = cluster.status()
+                status = cluster.status(raised=True)  # (a probe not starved by the other tests)
                 assert status.returncode == 0 and "1 node_" in status.stdout, status.stdout
                 threads = [t for pid in hosts[0].pids() for t in _threads(pid)]
                 mine = os.getpriority(os.PRIO_PROCESS, 0)

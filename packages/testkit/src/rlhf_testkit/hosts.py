@@ -164,6 +164,14 @@ def _write_autogroup_nice(session: int, nice: int) -> None:
         Path(f"/proc/{session}/autogroup").write_text(str(nice))
 
 
+def _raise_session(leader: int) -> None:
+    """Session ``leader``, just started (one thread; what it starts inherits its priority), and its
+    scheduler autogroup at :data:`START_NICE` above this process."""
+    _write_autogroup_nice(leader, START_NICE)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, leader, max(-20, os.getpriority(os.PRIO_PROCESS, 0) + START_NICE))
+
+
 def _lower_session(session: int, nice: int) -> None:
     """Every thread of every process in session ``session`` that runs above ``nice`` (a lower nice) set to
     it; pass after pass until none is left (threads start lazily)."""
@@ -227,22 +235,38 @@ class RayCluster:
                 start_new_session=True,
             )
         session = self.nodes[host.namespace].pid  # (its leader: Popen returns once it has exec'd)
-        _write_autogroup_nice(session, START_NICE)
-        with contextlib.suppress(OSError):  # one thread so far; what it starts inherits the priority
-            os.setpriority(
-                os.PRIO_PROCESS, session, max(-20, os.getpriority(os.PRIO_PROCESS, 0) + START_NICE)
-            )
+        _raise_session(session)
         self.raised.add(session)
 
     def node_log(self, host: Host) -> Path:
         """The output of ``host``'s ``ray start`` (in the cluster's folder)."""
         return Path(self.temp_dir) / f"start-{host.namespace}.log"
 
-    def status(self, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        """``ray status`` from the head's host."""
+    def status(
+        self, env: dict[str, str] | None = None, *, raised: bool = False
+    ) -> subprocess.CompletedProcess:
+        """``ray status`` from the head's host; ``raised``: in a session of its own at :data:`START_NICE`,
+        as the starting nodes (a Python process that shares this process's share of a loaded core can
+        take minutes to import Ray). Raises :class:`subprocess.TimeoutExpired` after 60 s."""
         ray = str(Path(sys.executable).parent / "ray")
         argv = self.hosts[0].command([ray, "status", f"--address={self.address}"])
-        return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.Popen(
+            argv,
+            env=env or self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=raised,
+        )
+        if raised:
+            _raise_session(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def wait_for_nodes(self, n: int, timeout_s: float = 300.0) -> None:
         """Until ``n`` nodes are alive (on a loaded 2-core machine a node can take minutes to join)."""
@@ -254,7 +278,10 @@ class RayCluster:
                     f"the Ray cluster will not reach {n} nodes: {', '.join(exited)} stopped"
                     f"{self._node_states()}"
                 )
-            done = self.status()
+            try:
+                done = self.status(raised=True)
+            except subprocess.TimeoutExpired:  # (a head that does not answer yet)
+                done = subprocess.CompletedProcess([], -9, "", "ray status: no answer in 60 s")
             if done.returncode == 0 and _active_nodes(done.stdout) == n:
                 self._back_to_normal_priority()
                 return
