@@ -74,6 +74,7 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
     if not address:
         _loopback_only()
     import ray
+    from rlhf_cli.runtime import tensor_wire
 
     started = False
     if not ray.is_initialized():
@@ -87,6 +88,7 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
                 _node_ip_address="127.0.0.1",
             )
         started = True
+    tensor_wire.register()
     total = ray.cluster_resources()
     ips = tuple(sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}))
     gpus = int(total.get("GPU", 0))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from rlhf_cli.data.batches import to_rows
-from rlhf_cli.runtime import losses
+from rlhf_cli.runtime import losses, tensor_wire
 from rlhf_cli.runtime.specs import (
     DPOSettings,
     ExportOptions,
@@ -63,6 +63,7 @@ class LearnerWorker:
 
     def __init__(self, *, spec: GroupSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
+        tensor_wire.register()  # (its results: sequences' log-probs, values)
         if os.path.isdir(spec.cwd):  # a joined cluster's workers start elsewhere (see GroupSpec.cwd)
             os.chdir(spec.cwd)
         self.engine: Any = None

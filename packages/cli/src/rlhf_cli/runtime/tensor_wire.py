@@ -1,0 +1,48 @@
+"""Tensors through Ray (task arguments and results between the driver and the learner ranks) as NumPy
+byte arrays, which pickle protocol 5 ships out of band, instead of torch's own pickling (a ``torch.save``
+per tensor). A step's 32 sequences of ~70 tokens: 1.5 ms to pickle and 2.7 ms to unpickle as tensors,
+0.06 and 0.03 ms as arrays. At 0.4M parameters the reference forward's call went from 0.061-0.069 s to
+0.053-0.059 s (benchmarks/e2e_grpo_vs_trl.py, three alternating pairs).
+
+Ray applies a registered serializer to objects of exactly that type in the process that registered it
+(:func:`register`: the driver once Ray is up, and each learner rank), so parameters and other tensor
+subclasses keep torch's pickling. What arrives is a copy of its own (Ray hands every reader of an object the
+same stored bytes).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+__all__ = ["from_wire", "register", "to_wire"]
+
+
+def register() -> None:
+    """Send this process's plain tensors through Ray as byte arrays (Ray must be initialised)."""
+    import ray
+
+    ray.util.register_serializer(torch.Tensor, serializer=to_wire, deserializer=from_wire)
+
+
+def to_wire(t: torch.Tensor) -> tuple[Any, ...]:
+    """``("bytes", uint8 array, dtype, shape)`` for a dense CPU tensor without autograd state; anything
+    else (on a device, requiring grad, sparse, quantized) as ``("saved", torch.save bytes)``."""
+    if t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad and not t.is_quantized:
+        flat = t.detach().contiguous().reshape(-1)
+        return ("bytes", flat.view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return ("saved", buf.getvalue())
+
+
+def from_wire(wire: tuple[Any, ...]) -> torch.Tensor:
+    """The tensor :func:`to_wire` described, in memory of its own."""
+    if wire[0] == "bytes":
+        _, data, dtype, shape = wire
+        if data.size == 0:  # (an empty array's stride does not allow the view)
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        return torch.from_numpy(data.copy()).view(getattr(torch, dtype)).reshape(shape)
+    return torch.load(io.BytesIO(wire[1]), weights_only=False)
