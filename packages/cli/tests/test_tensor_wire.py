@@ -21,6 +21,8 @@ def kinds() -> dict[str, torch.Tensor]:
         "transposed view": base.t(),
         "slice of a larger tensor": base[1:3, 2:5],
         "requires grad": base[0].clone().requires_grad_(True),
+        "conjugate view": torch.tensor([1 + 2j, 3 - 4j]).conj(),
+        "negative view": torch.tensor([1 + 2j, 3 - 4j]).conj().imag,
     }
 
 

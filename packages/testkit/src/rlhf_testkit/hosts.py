@@ -250,26 +250,21 @@ class RayCluster:
         take minutes to import Ray). Raises :class:`subprocess.TimeoutExpired` after 60 s."""
         ray = str(Path(sys.executable).parent / "ray")
         argv = self.hosts[0].command([ray, "status", f"--address={self.address}"])
-        proc = subprocess.Popen(
-            argv,
-            env=env or self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=raised,
-        )
-        if raised:
-            _raise_session(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        with subprocess.Popen(argv, env=env or self.env, start_new_session=raised, **pipes) as proc:
+            if raised:
+                _raise_session(proc.pid)
+            try:
+                out, err = proc.communicate(timeout=60)
+            except BaseException:  # (a timeout, or the test interrupted): it goes too
+                proc.kill()
+                raise
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def wait_for_nodes(self, n: int, timeout_s: float = 300.0) -> None:
-        """Until ``n`` nodes are alive (on a loaded 2-core machine a node can take minutes to join)."""
+        """Until ``n`` nodes are alive (on a loaded 2-core machine a node can take minutes to join). The
+        nodes' ``ray start`` output is read until each says it started (a file read); only then is the
+        head asked (``ray status``: seconds of CPU, which a starting node needs more)."""
         deadline = time.monotonic() + timeout_s
         while True:
             exited = [ns for ns, p in self.nodes.items() if p.poll() is not None]
@@ -278,10 +273,12 @@ class RayCluster:
                     f"the Ray cluster will not reach {n} nodes: {', '.join(exited)} stopped"
                     f"{self._node_states()}"
                 )
-            try:
-                done = self.status(raised=True)
-            except subprocess.TimeoutExpired:  # (a head that does not answer yet)
-                done = subprocess.CompletedProcess([], -9, "", "ray status: no answer in 60 s")
+            done = subprocess.CompletedProcess([], 1, "", "a node's ray start has not said it started")
+            if self._started():
+                try:
+                    done = self.status(raised=True)
+                except subprocess.TimeoutExpired:  # (a head that does not answer yet)
+                    done = subprocess.CompletedProcess([], -9, "", "ray status: no answer in 60 s")
             if done.returncode == 0 and _active_nodes(done.stdout) == n:
                 self._back_to_normal_priority()
                 return
@@ -291,6 +288,11 @@ class RayCluster:
                     f"{done.stdout[-500:]}{done.stderr[-500:]}{self._node_states()}"
                 )
             time.sleep(0.5)
+
+    def _started(self) -> bool:
+        """Whether each node's ``ray start`` has printed that its runtime started."""
+        logs = [self.node_log(h) for h in self.hosts if h.namespace in self.nodes]
+        return all(p.is_file() and "Ray runtime started" in p.read_text(errors="replace") for p in logs)
 
     def _back_to_normal_priority(self) -> None:
         """Each raised node's session back at this process's priority (its autogroup at 0)."""

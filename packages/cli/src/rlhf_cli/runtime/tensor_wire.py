@@ -21,7 +21,9 @@ __all__ = ["from_wire", "register", "to_wire"]
 
 
 def register() -> None:
-    """Send this process's plain tensors through Ray as byte arrays (Ray must be initialised)."""
+    """Send this process's plain tensors through Ray as byte arrays (Ray must be initialised). Ray keeps
+    it for the life of the process (past ``ray.shutdown``), in place of any serializer registered for
+    ``torch.Tensor`` before (Ray's own zero-copy one, ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``)."""
     import ray
 
     ray.util.register_serializer(torch.Tensor, serializer=to_wire, deserializer=from_wire)
@@ -30,8 +32,9 @@ def register() -> None:
 def to_wire(t: torch.Tensor) -> tuple[Any, ...]:
     """``("bytes", uint8 array, dtype, shape)`` for a dense CPU tensor without autograd state; anything
     else (on a device, requiring grad, sparse, quantized) as ``("saved", torch.save bytes)``."""
-    if t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad and not t.is_quantized:
-        flat = t.detach().contiguous().reshape(-1)
+    plain = t.layout == torch.strided and not (t.requires_grad or t.is_quantized or t.is_nested)
+    if t.device.type == "cpu" and plain:
+        flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
         return ("bytes", flat.view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
     buf = io.BytesIO()
     torch.save(t, buf)
