@@ -201,6 +201,29 @@ def test_a_failing_batch_is_raised_to_the_trainer():
         pipe.close()
 
 
+def test_a_batch_is_scored_while_the_next_generates_and_taken_once_scored():
+    eng = Engines(0)
+    scored: list[int] = []
+
+    def score(batch: RolloutBatch) -> None:
+        if batch.step == 1:  # the engines do not wait for the scoring groups
+            eng.wait_for(("start", 2), timeout=5.0)
+        if batch.step == 3:
+            raise ValueError("reference forward failed on step 3")
+        scored.append(batch.step)
+
+    pipe = RolloutPipeline(eng.produce, eng, steps=range(1, 6), score=score, max_staleness=1)
+    try:
+        for step in (1, 2):
+            assert pipe.take(step).step == step
+            assert step in scored
+            pipe.sync()
+        with pytest.raises(ValueError, match="step 3"):
+            pipe.take(3)
+    finally:
+        pipe.close()
+
+
 def test_partial_rollout_needs_a_staleness_bound_and_pausable_engines():
     eng = Engines(0)
     with pytest.raises(ValueError, match="partial rollout"):

@@ -253,12 +253,13 @@ def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, l
     assert make_plan(cfg, gpu(80.0, gpus=8)).group("engines").threads == 0  # GPU engines set their own
 
 
-def test_asynchronous_cpu_runs_pin_engines_and_reference_apart_from_the_trained_groups(tmp_path):
+def test_asynchronous_cpu_runs_pin_engines_apart_from_the_trained_groups_and_float_the_reference(tmp_path):
     model = str(write_config(tmp_path / "m", layers=4, hidden=512))
     kl = ("--actor.pretrain", model, "--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true")
     plan = make_plan(ppo(*kl, "--train.async.max_staleness", "1"), CPU)
-    assert plan.group("engines").cores == plan.group("ref").cores == tuple(range(8))
+    assert plan.group("engines").cores == tuple(range(8))
     assert plan.group("actor").cores == tuple(range(8, 16)) and plan.group("actor").threads == 8
+    assert plan.group("ref").cores == () and plan.group("ref").threads == 8  # overlaps both halves
     assert "on core(s) 8-15" in plan.render()
     sync = make_plan(ppo(*kl), CPU)
     assert all(g.cores == () for g in sync.groups)  # synchronous: every stage has every core

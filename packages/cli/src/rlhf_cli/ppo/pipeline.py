@@ -9,7 +9,8 @@ So a trained sample lags the policy by at most eta versions and the producer is 
 batches ahead; nothing generated is dropped (which would favour short answers). Each sync happens
 between batches, under a lock the producer holds while generating, so no sample mixes versions, unless
 ``partial_rollout``: then the engines pause at a token boundary, load the weights and resume, and a
-sample's staleness counts from its oldest token.
+sample's staleness counts from its oldest token. A generated batch is scored (the reference forward) on a
+second thread while the producer starts the next one, so the engines do not wait for the scoring groups.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -81,7 +83,8 @@ class RolloutPipeline:
     """Hands the trainer one :class:`RolloutBatch` per step; see the module docstring for the rule.
 
     ``produce`` generates (holding the engines); ``score`` then finishes a batch without them (e.g. the
-    reference forward). ``steps``: the steps to produce, in order. ``threaded``: run the producer thread
+    reference forward; with the producer thread, on a thread of its own, in order, while the next batch
+    generates). ``steps``: the steps to produce, in order. ``threaded``: run the producer thread
     even at eta = 0 (the same schedule as producing inline; tests compare the two). The trainer waits for
     the producer as long as it runs: each engine, reward and learner call inside has its own time limit.
     ``phases``: colocated engines and learners (synchronous only): the engines release their memory after
@@ -113,7 +116,8 @@ class RolloutPipeline:
         self._changed = threading.Condition()  # the version moved, a sync is wanted or done, or stop
         self._generating = threading.Lock()  # held while a batch generates (no sync then, unless partial)
         self._sync_wanted = False  # the trainer waits to sync: the producer starts no batch meanwhile
-        self._ready: queue.Queue[RolloutBatch | _Failed] = queue.Queue()
+        self._ready: queue.Queue[Future[RolloutBatch] | _Failed] = queue.Queue()
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-scorer")
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.produced_ahead: list[int] = []
@@ -143,6 +147,7 @@ class RolloutPipeline:
         got = self._wait(lambda: self._ready.get(timeout=1.0), f"step {step}'s rollout batch")
         if isinstance(got, _Failed):
             raise got.error
+        got = got.result()  # scored (each scoring call has its own time limit); raises what scoring raised
         if got.step != step:
             raise RuntimeError(f"the producer made step {got.step}'s batch where step {step}'s was due")
         self.produced_ahead.append(self._ready.qsize() + 1)
@@ -212,6 +217,7 @@ class RolloutPipeline:
             self._changed.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        self._scoring.shutdown(wait=False, cancel_futures=True)
 
     def _admitted(self, step: int) -> bool:
         """Wait until ``step`` may start (False: the pipeline stops)."""
@@ -227,11 +233,14 @@ class RolloutPipeline:
                     return
                 with self._generating:  # partial rollout syncs without it; evaluation waits for it
                     batch = self.produce(step, self.weights.version)
-                if self.score is not None:
-                    self.score(batch)
-                self._ready.put(batch)
+                self._ready.put(self._scoring.submit(self._scored, batch))
         except BaseException as err:  # handed to the trainer, which raises it
             self._ready.put(_Failed(err))
+
+    def _scored(self, batch: RolloutBatch) -> RolloutBatch:
+        if self.score is not None:
+            self.score(batch)
+        return batch
 
 
 def staleness_metrics(batch: RolloutBatch, *, policy_version: int, eta: int) -> dict[str, float]:
