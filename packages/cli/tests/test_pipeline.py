@@ -204,10 +204,15 @@ def test_a_failing_batch_is_raised_to_the_trainer():
 def test_a_batch_is_scored_while_the_next_generates_and_taken_once_scored():
     eng = Engines(0)
     scored: list[int] = []
+    running: list[int] = []  # scoring calls under way: one at a time (a group's collectives must not mix)
 
     def score(batch: RolloutBatch) -> None:
+        running.append(batch.step)
+        assert running == [batch.step], f"batches {running} scored at once"
         if batch.step == 1:  # the engines do not wait for the scoring groups
             eng.wait_for(("start", 2), timeout=5.0)
+        time.sleep(0.01)  # a next batch produced meanwhile waits for its turn
+        running.remove(batch.step)
         if batch.step == 3:
             raise ValueError("reference forward failed on step 3")
         scored.append(batch.step)

@@ -359,8 +359,9 @@ def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_
 ASYNC_FLAGS = [
     *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "12"),
     *("--train.micro_batch_size", "8", "--eval.every", "0", "--logger.progress", "false"),
-    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "1", "--ckpt.save_steps", "1"),
+    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "0", "--ckpt.save_steps", "1"),
     *("--logger.tensorboard", "false", "--algo.advantage.estimator", "group_norm"),
+    *("--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true"),  # a reference, scored beside generation
 ]
 
 
@@ -384,6 +385,7 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
     )
     rows = first.history
     assert rows[0]["sync/staleness_max"] == 0.0 and rows[0]["rollout/weight_version"] == 1.0
+    assert all(r["time/reference"] > 0 and r["policy/kl"] >= 0 for r in rows)  # on the scorer thread
     for step, r in enumerate(rows, start=1):  # non-partial: a batch's samples share one version
         assert r["sync/staleness_max"] == r["sync/staleness_mean"] == step - r["rollout/weight_version"]
         assert r["sync/staleness_max"] <= 1.0

@@ -10,7 +10,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
-from rlhf_rollout.cores import pin_to_cores
+from rlhf_rollout.cores import bind_all_threads, pin_to_cores
 from rlhf_rollout.engine import (
     EngineCapabilities,
     UnsupportedOperationError,
@@ -194,9 +194,8 @@ class AsyncEngineActor:
         from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
 
         self.engine = AsyncVLLMEngine(**engine_kwargs)
-        # The front end (requests in, outputs out) runs on any core: bound beside its engine core it took a
-        # sixth of that core at 0.4M parameters.
-        os.sched_setaffinity(0, allowed)
+        if cpu_cores:  # the front end (requests in, outputs out, its ZMQ threads) on any core: bound beside
+            bind_all_threads(allowed)  # its engine core, it took a sixth of that core at 0.4M parameters
 
     async def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         return await self.engine.generate(prompts, params)

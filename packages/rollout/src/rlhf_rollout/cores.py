@@ -5,15 +5,26 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["pin_to_cores"]
+__all__ = ["bind_all_threads", "pin_to_cores"]
 
 
 def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
-    """Bind this process (and the processes and threads it starts) to ``cpu_cores``, indices into the
-    cores it may run on (``os.sched_getaffinity``), and have vLLM-CPU bind its OpenMP threads to them
+    """Bind the calling thread (and the processes and threads it starts from now on) to ``cpu_cores``,
+    indices into the cores it may run on (``os.sched_getaffinity``): an engine started in-process runs its
+    OpenMP threads on them; vLLM's multiprocess executor binds its workers' threads to them
     (``VLLM_CPU_OMP_THREADS_BIND``). Returns the core ids."""
     allowed = sorted(os.sched_getaffinity(0))
     ids = sorted({allowed[i % len(allowed)] for i in cpu_cores})
     os.sched_setaffinity(0, ids)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, ids))
     return ids
+
+
+def bind_all_threads(cores: set[int]) -> None:
+    """Bind every thread of this process to ``cores`` (e.g. back to all it had, once an engine started while
+    bound has made its own threads and processes, which keep the binding they were started with)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that has ended meanwhile
+            continue

@@ -133,7 +133,8 @@ class TrainConfig(Section):
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
     pin_cores: bool | None = None
     """CPU only: bind the engines to the first half of each node's cores and the learner ranks to the
-    rest (their work then cannot steal each other's cores); unset: pinned when training asynchronously."""
+    rest (their work then cannot steal each other's cores; an asynchronous run's reference ranks to none:
+    they take what either half leaves idle); unset: pinned when training asynchronously."""
     colocate_all: bool = False
     """Hybrid engine: the actor, critic, reference and reward groups and the rollout engines share the same
     bundles (GPUs): engines sleep while the learners train (--vllm.sleep_level) and weights go over CUDA

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -117,7 +117,11 @@ class RolloutPipeline:
         self._generating = threading.Lock()  # held while a batch generates (no sync then, unless partial)
         self._sync_wanted = False  # the trainer waits to sync: the producer starts no batch meanwhile
         self._ready: queue.Queue[Future[RolloutBatch] | _Failed] = queue.Queue()
-        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-scorer")
+        # One scoring thread: batches are scored in order, and a multi-rank group's collectives never
+        # interleave two batches' forwards.
+        self._to_score: queue.SimpleQueue[tuple[RolloutBatch, Future[RolloutBatch]] | None] = (
+            queue.SimpleQueue()
+        )
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.produced_ahead: list[int] = []
@@ -125,6 +129,7 @@ class RolloutPipeline:
         if threaded:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._score_all, name="rollout-scorer", daemon=True).start()
 
     def policy_version(self, step: int) -> int:
         """The version the trainer updates at ``step`` (the engines' version when its batch is taken in
@@ -210,14 +215,14 @@ class RolloutPipeline:
             self._generating.release()
 
     def close(self) -> None:
-        """Stop the producer: it starts no other batch; one generating is left to the engines' shutdown
-        (the thread is a daemon), so a failed run does not wait for it."""
+        """Stop the producer and the scorer: they start no other batch; one generating or scoring is left
+        to the engines' and groups' shutdown (the threads are daemons), so a failed run does not wait."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
+        self._to_score.put(None)
         if self._thread is not None:
             self._thread.join(timeout=5.0)
-        self._scoring.shutdown(wait=False, cancel_futures=True)
 
     def _admitted(self, step: int) -> bool:
         """Wait until ``step`` may start (False: the pipeline stops)."""
@@ -233,14 +238,23 @@ class RolloutPipeline:
                     return
                 with self._generating:  # partial rollout syncs without it; evaluation waits for it
                     batch = self.produce(step, self.weights.version)
-                self._ready.put(self._scoring.submit(self._scored, batch))
+                scored: Future[RolloutBatch] = Future()
+                self._ready.put(scored)
+                self._to_score.put((batch, scored))
         except BaseException as err:  # handed to the trainer, which raises it
             self._ready.put(_Failed(err))
 
-    def _scored(self, batch: RolloutBatch) -> RolloutBatch:
-        if self.score is not None:
-            self.score(batch)
-        return batch
+    def _score_all(self) -> None:
+        """The scorer thread: each produced batch in turn, its result (or error) into its future."""
+        while (item := self._to_score.get()) is not None and not self._stopping:
+            batch, scored = item
+            try:
+                if self.score is not None:
+                    self.score(batch)
+            except BaseException as err:  # handed to the trainer, which raises it
+                scored.set_exception(err)
+            else:
+                scored.set_result(batch)
 
 
 def staleness_metrics(batch: RolloutBatch, *, policy_version: int, eta: int) -> dict[str, float]:

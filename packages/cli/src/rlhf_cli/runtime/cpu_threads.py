@@ -39,7 +39,7 @@ def pinned(
     floating: tuple[str, ...] = (),
 ) -> list[GroupPlan]:
     """Engines and learner ranks on disjoint cores of each node (their work overlaps when training is
-    asynchronous, and vLLM-CPU's queue readers spin): the engines (and the groups in ``rollout_side``)
+    asynchronous, and OpenMP threads that share a core wait for each other): the engines (and the groups in ``rollout_side``)
     the first half, the other groups the rest; each process's threads are its share of its half (the
     groups of a half take turns, so each gets all). The groups in ``floating`` are bound to no core, with
     the threads of a half (their work overlaps both halves: the OS gives it what either leaves idle)."""

@@ -350,9 +350,9 @@ def make_plan(
         per_node["engines"] = math.ceil(
             cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size / resources.nodes
         )
-        # Asynchronous: the producer's reference forward overlaps both sides; on one thread, on no core
-        # in particular, it takes what either side leaves idle (23M: 1.14-1.24 s/step, against 1.30 on
-        # the learners' core and 1.42 on the engines').
+        # Asynchronous: the producer's reference forward overlaps both sides; bound to no core (with a
+        # half's threads: one on 2 cores) it takes what either side leaves idle (2 cores, 23M: 1.14-1.24
+        # s/step, against 1.30 on the learners' core and 1.42 on the engines').
         floating = ("ref",) if cfg.train.async_.enabled else ()
         groups = pinned(groups, per_node, resources, floating=floating)
     from rlhf_cli.runtime.colocation import colocate, colocation_lines

@@ -1,0 +1,41 @@
+"""Core binding (``rlhf_rollout.cores``): what a thread starts while bound keeps the binding, and
+``bind_all_threads`` releases every thread of the process again (an asynchronous engine's front end)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from rlhf_rollout.cores import bind_all_threads, pin_to_cores
+
+
+def test_threads_started_while_bound_keep_the_binding_until_all_threads_are_released():
+    allowed = os.sched_getaffinity(0)
+    started, stop = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def pinned_then_start() -> None:
+        ids = pin_to_cores([1])
+        child = threading.Thread(target=lambda: (started.set(), stop.wait(30)))
+        child.start()
+        started.wait(30)
+        seen["pinned"], seen["child"] = set(ids), os.sched_getaffinity(child.native_id)
+        bind_all_threads(allowed)
+        seen["released"], seen["child after"] = os.sched_getaffinity(0), os.sched_getaffinity(child.native_id)
+        stop.set()
+        child.join(30)
+
+    env = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    try:
+        t = threading.Thread(target=pinned_then_start)  # a thread of its own: the test's stays unbound
+        t.start()
+        t.join(60)
+    finally:
+        if env is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = env
+    one = {sorted(allowed)[1 % len(allowed)]}  # the second core it may run on
+    assert seen["pinned"] == seen["child"] == one
+    assert seen["released"] == seen["child after"] == allowed
+    assert os.sched_getaffinity(0) == allowed
