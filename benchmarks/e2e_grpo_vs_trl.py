@@ -172,6 +172,12 @@ def trl_settings(model: str, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def ours_flags(model: str, text: str) -> str:
+    """``--ours-flags`` for ``model``: the word ``best`` stands for BEST's flags (``"best
+    --train.async.max_staleness 1"``: BEST's, asynchronous)."""
+    return " ".join(BEST[model]["ours"] if word == "best" else word for word in text.split())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny,small")
@@ -181,7 +187,11 @@ def main() -> None:
     p.add_argument(
         "--trl-attn", default="best", help="the attention kernel of TRL's model: sdpa, eager, best"
     )
-    p.add_argument("--ours-flags", default="best", help='rlhf ppo flags, e.g. "--ds.precision bf16"; best')
+    p.add_argument(
+        "--ours-flags",
+        default="best",
+        help='rlhf ppo flags, e.g. "--ds.precision bf16"; the word best stands for BEST\'s flags',
+    )
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
@@ -194,7 +204,7 @@ def main() -> None:
             f"--models: no best settings for {', '.join(sorted(unknown))}; known: {', '.join(BEST)}"
         )
     if a.worker:
-        OURS_FLAGS.extend((BEST[a.models]["ours"] if a.ours_flags == "best" else a.ours_flags).split())
+        OURS_FLAGS.extend(ours_flags(a.models, a.ours_flags).split())
         root = Path(a.root)
         r = (
             run_ours(a.models, root, a.steps)
@@ -205,9 +215,8 @@ def main() -> None:
         return
     results, settings = {}, {}
     for model in a.models.split(","):
-        best = BEST[model]
         trl = {k: str(v).lower() for k, v in trl_settings(model, a).items()}
-        ours = best["ours"] if a.ours_flags == "best" else a.ours_flags
+        ours = ours_flags(model, a.ours_flags)
         settings[model] = f"TRL bf16={trl['bf16']} torch_compile={trl['compile_']} attn={trl['attn']}; " + (
             f"rlhf ppo {ours or 'defaults'}"
         )
