@@ -385,7 +385,7 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
     )
     rows = first.history
     assert rows[0]["sync/staleness_max"] == 0.0 and rows[0]["rollout/weight_version"] == 1.0
-    assert all(r["time/reference"] > 0 and r["policy/kl"] >= 0 for r in rows)  # on the scorer thread
+    assert all(r["time/reference"] > 0 and r["policy/kl"] >= 0 for r in rows)  # the scorer thread's call
     for step, r in enumerate(rows, start=1):  # non-partial: a batch's samples share one version
         assert r["sync/staleness_max"] == r["sync/staleness_mean"] == step - r["rollout/weight_version"]
         assert r["sync/staleness_max"] <= 1.0

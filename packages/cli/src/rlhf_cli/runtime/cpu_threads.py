@@ -35,14 +35,13 @@ def pinned(
     groups: list[GroupPlan],
     per_node: dict[str, int],
     resources: ClusterResources,
-    rollout_side: tuple[str, ...] = ("engines",),
     floating: tuple[str, ...] = (),
 ) -> list[GroupPlan]:
     """Engines and learner ranks on disjoint cores of each node (their work overlaps when training is
-    asynchronous, and OpenMP threads that share a core wait for each other): the engines (and the groups in ``rollout_side``)
-    the first half, the other groups the rest; each process's threads are its share of its half (the
-    groups of a half take turns, so each gets all). The groups in ``floating`` are bound to no core, with
-    the threads of a half (their work overlaps both halves: the OS gives it what either leaves idle)."""
+    asynchronous, and OpenMP threads that share a core wait for each other): the engines the first half,
+    the other groups the rest; each process's threads are its share of its half (the groups of a half take
+    turns, so each gets all). The groups in ``floating`` are bound to no core, with the threads of a half
+    (their work overlaps both halves: the OS gives it what either leaves idle)."""
     cores = max(1, int(resources.cpus // max(1, resources.nodes)))
     if resources.gpus or cores < 2:
         return groups
@@ -50,7 +49,7 @@ def pinned(
     engine_cores, learner_cores = tuple(range(half)), tuple(range(half, cores))
     out = []
     for g in groups:
-        mine = engine_cores if g.name in rollout_side else learner_cores
+        mine = engine_cores if g.name == "engines" else learner_cores
         procs = per_node.get(g.name, 1)
         threads = max(1, len(mine) // max(1, procs))
         out.append(replace(g, cores=() if g.name in floating else mine, threads=threads))
