@@ -52,11 +52,13 @@ def rng():
 def on_both_hosts(d: Driver, cluster: RayCluster, kind: str, only: int | None = None) -> None:
     """Wait until this run has a ``ray::<kind>`` process in each host (in host ``only`` alone, if given)."""
     hosts = cluster.hosts if only is None else (cluster.hosts[only],)
-    seen = lambda: all(ray_workers(kind, d.started, h) for h in hosts)  # noqa: E731
+    seen = lambda: all(ray_workers(kind, d.started_since_boot, h) for h in hosts)  # noqa: E731
     d.wait_for(seen, f"{kind} on {len(hosts)} host(s)", poll=0.2)
     if only is not None:
         others = [h for i, h in enumerate(cluster.hosts) if i != only]
-        assert not any(ray_workers(kind, d.started, h) for h in others), f"a {kind} outside host {only}"
+        assert not any(ray_workers(kind, d.started_since_boot, h) for h in others), (
+            f"a {kind} outside host {only}"
+        )
 
 
 def test_sft_data_parallel_across_hosts_gives_the_losses_of_one_host(
@@ -141,7 +143,7 @@ def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninter
     for method in ("generate", "receive_weights"):
         d = driver(resume, run_dir)
         d.wait_steps(int(latest.read_text()[-6:]) + 1)
-        (engine,) = ray_workers("EngineActor", d.started, cluster.hosts[1])
+        (engine,) = ray_workers("EngineActor", d.started_since_boot, cluster.hosts[1])
         freeze_in_call(d, engine, method)
         assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
 
@@ -162,6 +164,6 @@ def test_losing_a_host_ends_the_run_naming_the_host_and_what_ran_there(two_host_
     assert last.startswith(f"error: host {b.ip} was lost (Ray node "), last
     assert "; on it: the actor group's rank 1, rollout engine 0; rerun with --ckpt.load_enable" in last, last
     deadline = time.monotonic() + 30  # the rank on host A was stopped with the run
-    while ray_workers("LearnerWorker", d.started, a):
+    while ray_workers("LearnerWorker", d.started_since_boot, a):
         assert time.monotonic() < deadline, "the run left its rank running on host A"
         time.sleep(0.5)

@@ -17,9 +17,12 @@ def test_exported_folder_loads_in_vllm_with_matching_logprobs(multirank):
 
     export = multirank["out"] / "export"
     llm = LLM(model=str(export), dtype="float32", enforce_eager=True, seed=0)
-    prompt = [5, 77, 123, 300, 42, 9]
-    params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params)[0].outputs[0]
+    try:
+        prompt = [5, 77, 123, 300, 42, 9]
+        params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params)[0].outputs[0]
+    finally:  # its engine-core process ends now, not whenever the garbage collector reaches the LLM
+        llm.llm_engine.engine_core.shutdown()
     tokens = list(out.token_ids)
     vllm_lp = torch.tensor([next(iter(d.values())).logprob for d in out.logprobs])
     model = AutoModelForCausalLM.from_pretrained(export)
@@ -27,4 +30,3 @@ def test_exported_folder_loads_in_vllm_with_matching_logprobs(multirank):
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     hf_lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
     torch.testing.assert_close(vllm_lp, hf_lp, atol=1e-4, rtol=0)
-    del llm

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from rlhf_testkit.hosts import Host
+from rlhf_testkit.leftovers import started
 
 __all__ = [
     "Driver",
@@ -56,14 +57,15 @@ def training_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(run_dir)]
 
 
-def ray_workers(kind: str, since: float, host: Host | None = None) -> list[psutil.Process]:
-    """The ``ray::<kind>`` processes started after ``since`` (a run's) by the Ray clusters this test
-    process started (its descendants: never another test process's), in ``host`` if given."""
+def ray_workers(kind: str, since_boot: float, host: Host | None = None) -> list[psutil.Process]:
+    """The ``ray::<kind>`` processes started after ``since_boot`` (a run's start, in seconds since boot:
+    ``Driver.started_since_boot``) by the Ray clusters this test process started (its descendants: never
+    another test process's), in ``host`` if given."""
     found = []
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmd = " ".join(p.cmdline())
-            mine = cmd.startswith(f"ray::{kind}") and p.create_time() >= since - 1
+            mine = cmd.startswith(f"ray::{kind}") and started(p) >= since_boot - 1
             if mine and (host is None or host.holds(p.pid)):
                 found.append(p)
     return found
@@ -84,7 +86,8 @@ class Driver:
         host: Host | None = None,
     ) -> None:
         self.run_dir = run_dir
-        self.started = time.time()
+        self.started = time.time()  # the wall clock, as log files' modification times are
+        self.started_since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)  # unmoved by clock steps
         argv = [
             str(BIN / "rlhf"),
             command,
@@ -143,7 +146,7 @@ def kill_while_checkpointing(d: Driver) -> str:
     root = d.run_dir / "checkpoints"
     while True:
         d.wait_for(lambda: any(root.glob(".tmp-step_*")), "a checkpoint being written", poll=0.0005)
-        frozen = [psutil.Process(d.proc.pid), *ray_workers("LearnerWorker", d.started)]
+        frozen = [psutil.Process(d.proc.pid), *ray_workers("LearnerWorker", d.started_since_boot)]
         for p in frozen:
             p.send_signal(signal.SIGSTOP)
         tmp = sorted(root.glob(".tmp-step_*"))
@@ -158,7 +161,7 @@ def kill_while_checkpointing(d: Driver) -> str:
 
 def kill_worker(d: Driver, kind: str) -> float:
     """SIGKILL this run's ``ray::<kind>`` process; returns when (monotonic)."""
-    (worker,) = ray_workers(kind, d.started)
+    (worker,) = ray_workers(kind, d.started_since_boot)
     worker.kill()
     return time.monotonic()
 

@@ -6,13 +6,14 @@ once the test is done."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
-__all__ = ["LONG_LIVED", "ProcessKey", "become_subreaper", "descendants", "leftovers"]
+__all__ = ["LONG_LIVED", "ProcessKey", "become_subreaper", "descendants", "leftovers", "started"]
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -23,8 +24,8 @@ interpreter's own helpers), not as long as a test."""
 
 @dataclass(frozen=True)
 class ProcessKey:
-    """A process, told apart from a later one that reuses its pid (its command, shown in reports, is not
-    part of its identity: Ray retitles a worker at every call)."""
+    """A process, told apart from a later one that reuses its pid by when it started (:func:`started`);
+    its command, shown in reports, is not part of its identity: Ray retitles a worker at every call."""
 
     pid: int
     started: float
@@ -42,6 +43,19 @@ def become_subreaper() -> bool:
     return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
+def started(process: psutil.Process) -> float:
+    """Seconds from boot to when ``process`` started (Linux's ``/proc/<pid>/stat`` field 22), on the clock
+    of ``time.clock_gettime(time.CLOCK_BOOTTIME)``. Unlike ``create_time()`` it never changes while the
+    process lives: that adds the boot time, which Linux derives from the wall clock, so a clock step (NTP)
+    moves every process's ``create_time()`` at once."""
+    try:
+        with open(f"/proc/{process.pid}/stat", "rb") as f:
+            after_command = f.read().rsplit(b")", 1)[1].split()  # the command may hold spaces and ")"
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(process.pid) from None
+    return int(after_command[19]) / os.sysconf("SC_CLK_TCK")  # fields 3.. follow it; starttime is 22
+
+
 def descendants() -> set[ProcessKey]:
     """This process's living descendants (zombies left out)."""
     found = set()
@@ -49,7 +63,7 @@ def descendants() -> set[ProcessKey]:
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            found.add(ProcessKey(p.pid, p.create_time(), " ".join(p.cmdline()) or p.name()))
+            found.add(ProcessKey(p.pid, started(p), " ".join(p.cmdline()) or p.name()))
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return found
