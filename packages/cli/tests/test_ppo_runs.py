@@ -246,6 +246,32 @@ def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_e
         assert r["actor/optimizer_steps"] == 2 and "actor/clip_frac" in r
 
 
+def test_a_reference_overlapping_the_update_gives_the_run_of_one_scored_first(
+    tmp_path, one_engine, demo_model_dir
+):
+    """``--train.overlap_reference`` (on by default with a KL loss): the actor's rank fetches the
+    reference's log-probs from Ray itself, while the driver never waits for them; the history is the one
+    of a run whose reference is scored first, bit for bit."""
+    func = tmp_path / "reward.py"  # a reward that varies within a prompt's group: the policy moves
+    func.write_text(
+        "def reward_func(queries, prompts, labels):\n    return [float(len(q) % 3) for q in queries]\n"
+    )
+    flags = [
+        *("--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator=group_norm"),
+        *("--reward.func", str(func), "--actor.lr=1e-3"),
+        *("--algo.kl.coef=0.2", "--algo.kl.use_loss", "--algo.kl.estimator=k3"),
+    ]
+    runs = [
+        ppo(tmp_path / str(overlap), one_engine, *flags, f"--train.overlap_reference={str(overlap).lower()}")
+        for overlap in (True, False)
+    ]
+    untimed = [[{k: v for k, v in r.items() if not k.startswith("time/")} for r in x.history] for x in runs]
+    assert untimed[0] == untimed[1]
+    assert untimed[0][1]["policy/kl"] > 0 and untimed[0][1]["actor/kl"] == untimed[0][1]["policy/kl"]
+    assert not any("time/reference" in r for r in runs[0].history)  # the driver never waited for it
+    assert all(r["time/reference"] > 0 for r in runs[1].history)
+
+
 def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
     agent = tmp_path / "agent.py"
     agent.write_text(

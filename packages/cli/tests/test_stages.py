@@ -33,7 +33,9 @@ from rlhf_rollout import Trajectory
 # fakes
 
 
-BASE_FLAGS = ("--train.warmup_sft_steps", "0")
+BASE_FLAGS = ("--train.warmup_sft_steps", "0", "--train.overlap_reference", "false")
+"""(The reference is scored in the experience stage here; its forward overlapping the update, which the
+actor's ranks fetch from Ray themselves: test_late_reference.py.)"""
 
 
 def cfg_of(*flags: str) -> PPOConfig:

@@ -639,3 +639,52 @@ def test_bf16_on_one_rank_skips_the_all_reduce_with_the_same_updates(dist_single
         assert torch.equal(states[0][k], v), k
     one = Strategy(StrategyOptions(zero_stage=0)).prepare(Actor(load_causal_lm(tiny_model_dir)))
     assert one.enable_backward_allreduce  # fp32 keeps it: its plain optimizer skips None gradients
+
+
+def test_reference_log_probs_asked_for_after_each_forward_give_the_same_step(dist_single, tiny_model_dir):
+    """``ref_logp_of`` (reference log-probs bound late, while a reference forward elsewhere may still
+    run) gives the loss, metrics and update of the same log-probs in the batches, and is asked for
+    micro-batch ``i``'s only once its forward has run."""
+    ref = load_reference(tiny_model_dir)
+    mbs = [_rows(2, 10, seed) for seed in (3, 4)]
+    g = torch.Generator().manual_seed(6)
+    refs = []
+    for mb in mbs:
+        refs.append(
+            reference_logp(ref, _model_rows(mb)) + 0.05 * torch.randn(mb["input_ids"].shape, generator=g)
+        )
+        mb["advantages"] = torch.randn(mb["input_ids"].shape, generator=g)
+    kw = dict(
+        policy_loss_fn=functools.partial(policy_loss, clip_eps_low=0.2, clip_eps_high=0.2),
+        aggregate_fn=TOKEN_MEAN,
+        kl_loss_fn=functools.partial(approx_kl, estimator="k3"),
+        kl_coef=0.5,
+    )
+    results, weights = [], []
+    for late in (False, True):
+        strategy = Strategy(StrategyOptions(zero_stage=0, grad_accum_steps=2, grad_clip=None))
+        engine = strategy.prepare(
+            Actor(load_causal_lm(tiny_model_dir)), optimizer=lambda p: torch.optim.SGD(p, lr=1.0)
+        )
+        forwards, asked = [], []
+        engine.module.register_forward_hook(lambda *_, forwards=forwards: forwards.append(1))
+
+        def ref_logp_of(i, asked=asked, forwards=forwards):
+            asked.append((i, len(forwards)))
+            return refs[i]
+
+        if late:
+            r = ppo_actor_step(engine, [PolicyBatch(**mb) for mb in mbs], ref_logp_of=ref_logp_of, **kw)
+            assert asked == [(0, 1), (1, 2)]  # each after its own forward, none before
+        else:
+            batches = [PolicyBatch(**mb, ref_logp=lp) for mb, lp in zip(mbs, refs, strict=True)]
+            r = ppo_actor_step(engine, batches, **kw)
+        results.append(r)
+        weights.append({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+    assert results[1].loss == pytest.approx(results[0].loss, abs=1e-6)
+    assert results[1].metrics["kl"] == pytest.approx(results[0].metrics["kl"], rel=1e-6)
+    assert results[0].metrics["kl"] > 1e-4
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="ref_logp_of"):
+        ppo_actor_step(engine, [PolicyBatch(**mb) for mb in mbs], ref_logp_of=lambda i: refs[i][:, 1:], **kw)

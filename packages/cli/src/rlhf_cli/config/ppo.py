@@ -124,6 +124,21 @@ class PPOConfig(Section):
         return self.optimizer_steps_per_step == 1 and not self.algo.kl.reward_penalty
 
     @property
+    def reference_overlaps_update(self) -> bool:
+        """``--train.overlap_reference`` applies: the reference's log-probs feed the KL loss alone (not the
+        reward, the advantages or an asynchronous producer), and the actor and reference share no bundles."""
+        kl, t = self.algo.kl, self.train
+        shared = any({"actor", "ref"} <= set(s) for s in self.colocated)
+        return (
+            t.overlap_reference
+            and self.uses_reference
+            and kl.use_loss
+            and not kl.reward_penalty
+            and not t.async_.enabled
+            and not shared
+        )
+
+    @property
     def grad_accum_steps(self) -> int:
         return (
             self.optimizer_batch_size

@@ -143,6 +143,10 @@ class TrainConfig(Section):
     """The actor and reference groups share bundles."""
     colocate_critic_reward: bool = False
     """The critic and reward-model groups share bundles."""
+    overlap_reference: bool = True
+    """A KL loss's reference forward runs while the actor's update starts: the actor's ranks fetch its
+    log-probs themselves when their loss needs them. Synchronous runs with --algo.kl.use_loss and no KL in
+    the reward, the actor and reference on bundles of their own; false: the reference is scored first."""
     offload_during_rollout: bool = False
     """Colocated on GPU: the trained groups' DeepSpeed states go to host memory while the engines generate
     and come back before the update."""

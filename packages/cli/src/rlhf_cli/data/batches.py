@@ -29,6 +29,7 @@ __all__ = [
     "kto_batch",
     "pad_stack",
     "policy_batch",
+    "policy_rows",
     "reward_batch",
     "sft_batch",
     "sft_batch_from_examples",
@@ -112,6 +113,10 @@ def _sample_rows(
     samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str
 ) -> dict[str, torch.Tensor]:
     """Rows of ``samples``: ``input_ids`` plus, per ``{field: Sample attribute}``, that attribute."""
+    return _sample_layout(samples, per_token, packing=packing, what=what).tensors
+
+
+def _sample_layout(samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str) -> Rows:
     seqs = []
     for s in samples:
         d = {"input_ids": s.token_ids}
@@ -121,7 +126,7 @@ def _sample_rows(
                 raise ValueError(f"{what}: sample has no {attr}")
             d[out_name] = value
         seqs.append(d)
-    return to_rows(seqs, packing=packing).tensors
+    return to_rows(seqs, packing=packing)
 
 
 def policy_batch(
@@ -130,6 +135,13 @@ def policy_batch(
     """The micro-batch of ``ppo_actor_step`` (``ref_logp`` for a KL loss, ``rollout_logp`` for
     importance-sampling correction and the engine-vs-learner gap). Samples without ``old_logp`` (an
     exactly on-policy update) leave it unset: the step uses the current log-probs, detached."""
+    return policy_rows(samples, packing=packing, with_ref=with_ref, with_rollout=with_rollout)[0]
+
+
+def policy_rows(
+    samples: Sequence[Sample], *, packing: bool, with_ref: bool, with_rollout: bool
+) -> tuple[PolicyBatch, list[tuple[int, int, int]]]:
+    """:func:`policy_batch` and each sample's ``(row, start, length)`` in it."""
     per_token = {"action_mask": "action_mask", "advantages": "advantages"}
     if any(s.old_logp is not None for s in samples):
         per_token["old_logp"] = "old_logp"
@@ -137,7 +149,8 @@ def policy_batch(
         per_token["ref_logp"] = "ref_logp"
     if with_rollout:
         per_token["rollout_logp"] = "rollout_logp"
-    return PolicyBatch(**_sample_rows(samples, per_token, packing=packing, what="policy_batch"))
+    rows = _sample_layout(samples, per_token, packing=packing, what="policy_batch")
+    return PolicyBatch(**rows.tensors), rows.placement
 
 
 def value_batch(samples: Sequence[Sample], *, packing: bool) -> ValueBatch:

@@ -46,6 +46,10 @@ class Components:
         """The groups the experience stage runs forwards on (``make_experience``'s keywords)."""
         return {"actor": self.actor, "ref": self.ref, "critic": self.critic}
 
+    def trained(self) -> dict[str, LearnerGroup | None]:
+        """The groups the update stage trains (``update``'s keywords)."""
+        return {"actor": self.actor, "critic": self.critic}
+
     def groups(self) -> dict[str, LearnerGroup]:
         """Every running learner group by role."""
         named = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward", self.reward))

@@ -20,6 +20,7 @@ from rlhf_algos import (
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.algo import KLConfig
 from rlhf_cli.data.batches import Sample, pad_stack
+from rlhf_cli.runtime.late_reference import PendingScores
 from rlhf_cli.runtime.protocols import ScoringGroup
 
 __all__ = ["Experience", "make_experience", "make_kl_controller", "score_reference"]
@@ -45,10 +46,14 @@ class Experience:
     old_policy_s: float
     """Seconds of the actor's old-policy forward (0 when skipped)."""
     reference_s: float | None
-    """Seconds of the reference forward (None: the producer ran it, see ``RolloutBatch.reference_s``)."""
+    """Seconds of the reference forward (None: the producer ran it, see ``RolloutBatch.reference_s``, or
+    it overlaps the update: ``pending_reference``)."""
     values_s: float
     """Seconds of the critic's forward."""
     advantages_s: float
+    pending_reference: PendingScores | None = None
+    """The reference forward, started and not waited for: the actor's ranks fetch its log-probs in the
+    update (``--train.overlap_reference``); the samples' ``ref_logp`` stay unset."""
 
     @property
     def forward_s(self) -> float:
@@ -149,10 +154,19 @@ def make_experience(
     """Score the samples and compute advantages and returns. The old-policy forward is skipped when the
     update is exactly on-policy (``PPOConfig.exactly_on_policy``): the update step then uses the current
     log-probs, detached, and measures the KL and the engine gap itself. ``concurrent``: the groups sit on
-    different devices, so their forwards overlap."""
+    different devices, so their forwards overlap. With ``PPOConfig.reference_overlaps_update`` the
+    reference forward is started first and not waited for (``Experience.pending_reference``)."""
     seqs = [s.token_ids for s in samples]
     scored = ref is not None and all(s.ref_logp is not None for s in samples)  # by the producer (async)
-    groups = (None if cfg.exactly_on_policy else actor, None if scored else ref, critic)
+    pending = None
+    if ref is not None and not scored and cfg.reference_overlaps_update:
+        kw = {"micro_batch_size": cfg.train.micro_batch_size, "packing": cfg.train.packing}
+        pending = ref.start_forward(seqs, **kw)
+    groups = (
+        None if cfg.exactly_on_policy else actor,
+        None if scored or pending is not None else ref,
+        critic,
+    )
     (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, cfg, concurrent=concurrent)
     for i, s in enumerate(samples):
         s.old_logp = old[i] if old is not None else None
@@ -164,7 +178,7 @@ def make_experience(
     mask = pad_stack([s.action_mask for s in samples])
     old_t = pad_stack([s.old_logp for s in samples]) if old is not None else None
     kl = None
-    if ref is not None and old_t is not None:
+    if ref is not None and old_t is not None and pending is None:
         kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator)
     adv, ret = _advantages(cfg, samples, mask, kl=kl, with_values=critic is not None, kl_coef=kl_coef)
     for i, s in enumerate(samples):
@@ -182,7 +196,8 @@ def make_experience(
         advantage_mean=float(masked_mean(adv, mask)),
         advantage_abs_mean=float(masked_mean(adv.abs(), mask)),
         old_policy_s=t_actor,
-        reference_s=None if scored else t_ref,
+        reference_s=None if scored or pending is not None else t_ref,
         values_s=t_critic,
         advantages_s=time.perf_counter() - t0,
+        pending_reference=pending,
     )

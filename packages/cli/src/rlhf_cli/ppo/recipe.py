@@ -137,7 +137,6 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         gpu = r.plan.device == "cuda"  # groups on their own GPUs: their forwards overlap
         rollouts = _pipeline(cfg, rollout, c, first_step=state.step + 1)
         r.stop_at_exit(rollouts.close)
-
         evaluated = functools.partial(_evaluated, cfg, rollouts, make_executor, eval_set, c.reward)
 
         # ---- train: one call per stage ------------------------------------------------------------
@@ -146,7 +145,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
             before = evaluated(schedule.before(step))
             batch, waited = timed_take(rollouts, step)  # engines -> rewards -> filter (maybe made ahead)
             exp = make_experience(cfg, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu)
-            upd = update(cfg, exp.samples, actor=c.actor, critic=c.critic, kl_coef=kl_ctl.value, step=step)
+            late = exp.pending_reference  # the reference forward, running: the actor's ranks fetch it
+            upd = update(cfg, exp.samples, **c.trained(), kl_coef=kl_ctl.value, step=step, reference=late)
             lag = staleness_metrics(
                 batch, policy_version=rollouts.policy_version(step), eta=rollouts.max_staleness
             )

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.data.batches import Sample, policy_batch, value_batch
+from rlhf_cli.data.batches import Sample, policy_rows, value_batch
 from rlhf_cli.runtime.failures import naming_nonfinite
+from rlhf_cli.runtime.late_reference import PendingScores, Placement
 from rlhf_cli.runtime.protocols import PolicyGroup, ScoringGroup, ValueGroup
 from rlhf_cli.runtime.specs import PolicyLossSettings, ValueLossSettings
-from rlhf_learner import StepResult, balance_micro_batches
+from rlhf_learner import PolicyBatch, StepResult, balance_micro_batches
 
 __all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "policy_settings", "update"]
 
@@ -34,8 +35,9 @@ class Updates:
     def seconds(self) -> float:
         return self.actor_s + self.critic_s
 
-    on_policy: bool = False
-    """The old-policy forward was skipped: the step measured the KL and the engine gap."""
+    measured_kl: bool = False
+    """The experience stage measured no KL to the reference (the old-policy forward was skipped, or the
+    reference's log-probs went to the actor's ranks alone): the update's is reported."""
 
     @property
     def kl_mean(self) -> float | None:
@@ -50,7 +52,7 @@ class Updates:
         if "logp_mismatch" in a:  # the engine's log-probs against the policy the update started from
             out["sync/logp_mismatch_mean"] = a.pop("logp_mismatch")
             out["sync/logp_mismatch_max"] = a.pop("logp_mismatch_max")
-        if self.on_policy and "kl" in a:
+        if self.measured_kl and "kl" in a:
             out["policy/kl"] = a["kl"]
         out |= {f"actor/{k}": v for k, v in a.items()}
         if self.actor.grad_norm is not None:
@@ -121,22 +123,41 @@ def policy_settings(cfg: PPOConfig, *, kl_coef: float) -> PolicyLossSettings:
 
 
 def update_policy(
-    cfg: PPOConfig, samples: Sequence[Sample], actor: PolicyGroup, *, kl_coef: float
+    cfg: PPOConfig,
+    samples: Sequence[Sample],
+    actor: PolicyGroup,
+    *,
+    kl_coef: float,
+    reference: PendingScores | None = None,
+    index: Mapping[int, int] | None = None,
 ) -> StepResult:
-    """One optimizer step of the actor on ``samples`` (a mini-batch)."""
+    """One optimizer step of the actor on ``samples`` (a mini-batch). ``reference``: the reference forward
+    still running, whose results the actor's ranks fetch (the samples have no ``ref_logp``); ``index``
+    maps ``id(sample)`` to the sample's position in what it scores."""
     settings = policy_settings(cfg, kl_coef=kl_coef)
     with_ref = settings.kl_loss_coef > 0
     with_rollout = settings.is_correction != "none" or samples[0].old_logp is None  # the gap, measured here
-    batches = micro_batches(
+    late = with_ref and reference is not None
+
+    def build(part: list[Sample]) -> tuple[PolicyBatch, list[Placement]]:
+        batch, rows = policy_rows(
+            part, packing=cfg.train.packing, with_ref=with_ref and not late, with_rollout=with_rollout
+        )
+        return batch, ([(index[id(s)], *p) for s, p in zip(part, rows, strict=True)] if late else [])
+
+    built = micro_batches(
         samples,
         actor,
         micro_batch_size=cfg.train.micro_batch_size,
         dynamic=cfg.train.dynamic_batch,
-        build=lambda part: policy_batch(
-            part, packing=cfg.train.packing, with_ref=with_ref, with_rollout=with_rollout
-        ),
+        build=build,
     )
-    return actor.train_policy(batches, settings=settings)
+    batches = [[b for b, _ in mbs] for mbs in built]
+    if not late:
+        return actor.train_policy(batches, settings=settings)
+    assert reference is not None
+    per_rank = [reference.for_rank([p for _, p in mbs]) for mbs in built]
+    return actor.train_policy(batches, settings=settings, reference=(reference, per_rank))
 
 
 def update_critic(cfg: PPOConfig, samples: Sequence[Sample], critic: ValueGroup) -> StepResult:
@@ -170,16 +191,21 @@ def update(
     critic: ValueGroup | None,
     kl_coef: float,
     step: int = 0,
+    reference: PendingScores | None = None,
 ) -> Updates:
     """``--train.ppo_epochs`` passes over the samples, one actor (and critic) optimizer step per
-    mini-batch (OpenRLHF's and verl's PPO semantics)."""
+    mini-batch (OpenRLHF's and verl's PPO semantics). ``reference``: the reference forward of
+    ``samples``, still running (``Experience.pending_reference``)."""
     actor_results, critic_results, seconds = [], [], [0.0, 0.0]
+    index = {id(s): i for i, s in enumerate(samples)}
     for epoch in range(cfg.train.ppo_epochs):
         for i, part in enumerate(mini_batches(cfg, samples, step=step, epoch=epoch)):
             t0 = time.perf_counter()
             where = f"step {step}, epoch {epoch + 1}, mini-batch {i + 1}"
             with naming_nonfinite(f"{where}: actor"):
-                actor_results.append(update_policy(cfg, part, actor, kl_coef=kl_coef))
+                actor_results.append(
+                    update_policy(cfg, part, actor, kl_coef=kl_coef, reference=reference, index=index)
+                )
             t1 = time.perf_counter()
             if critic is not None:
                 with naming_nonfinite(f"{where}: critic"):
@@ -191,5 +217,5 @@ def update(
         optimizer_steps=len(actor_results),
         actor_s=seconds[0],
         critic_s=seconds[1],
-        on_policy=samples[0].old_logp is None,
+        measured_kl=samples[0].old_logp is None or reference is not None,
     )

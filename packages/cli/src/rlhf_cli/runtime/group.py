@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from rlhf_cli.runtime.failures import Stops, get_all
+from rlhf_cli.runtime.late_reference import LateReference, PendingScores
 from rlhf_cli.runtime.openmp import openmp_env
 from rlhf_cli.runtime.specs import (
     DPOSettings,
@@ -132,6 +133,28 @@ class LearnerGroup:
             sequences=sequences,
         )
 
+    def start_forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> PendingScores:
+        """Start ``forward`` on every rank and wait for nothing: its results stay in Ray's object store,
+        for the ranks of another group to fetch (:mod:`rlhf_cli.runtime.late_reference`)."""
+        shards = self.shards(list(sequences))
+        longest = max(len(s) for s in shards)
+        refs = [
+            w.forward.remote(
+                sequences=shard + [sequences[0]] * (longest - len(shard)),  # as _submit pads
+                micro_batch_size=micro_batch_size,
+                packing=packing,
+            )
+            for w, shard in zip(self.workers, shards, strict=True)
+        ]
+        return PendingScores(
+            parts=refs[:: self.block],
+            lengths=[len(s) for s in shards[:: self.block]],
+            all_refs=refs,
+            timeout_s=self.timeout_s,
+        )
+
     def sequence_logps(
         self, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *, micro_batch_size: int
     ) -> list[float]:
@@ -179,9 +202,23 @@ class LearnerGroup:
         return self._get(refs)[0]
 
     def train_policy(
-        self, per_rank: Sequence[list[PolicyBatch]], *, settings: PolicyLossSettings
+        self,
+        per_rank: Sequence[list[PolicyBatch]],
+        *,
+        settings: PolicyLossSettings,
+        reference: tuple[PendingScores, Sequence[LateReference]] | None = None,
     ) -> StepResult:
-        return self._step(per_rank, lambda w, a: w.train_policy.remote(**a, settings=settings))
+        """``reference``: the reference group's forward, still running, and what each rank needs to fetch
+        its micro-batches' log-probs from it (they carry none); its calls are waited for beside the ranks'
+        own, so that a failure there (a dead reference rank) is raised as itself."""
+        if reference is None:
+            return self._step(per_rank, lambda w, a: w.train_policy.remote(**a, settings=settings))
+        pending, late = reference
+        refs = [
+            w.train_policy.remote(micro_batches=mbs, settings=settings, late_reference=lr)
+            for w, mbs, lr in zip(self.workers, per_rank, late, strict=True)
+        ]
+        return self._get(refs + pending.all_refs)[0]
 
     def train_value(self, per_rank: Sequence[list[ValueBatch]], *, settings: ValueLossSettings) -> StepResult:
         return self._step(per_rank, lambda w, a: w.train_value.remote(**a, settings=settings))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
+from rlhf_cli.runtime.late_reference import LateReference, PendingScores
 from rlhf_cli.runtime.specs import GroupSpec, PolicyLossSettings, ValueLossSettings
 from rlhf_learner import PolicyBatch, StepResult, ValueBatch
 
@@ -33,12 +34,22 @@ class ScoringGroup(Protocol):
         """Start ``forward``; the returned call waits for its results."""
         ...
 
+    def start_forward(
+        self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
+    ) -> PendingScores:
+        """Start ``forward``, for another group's ranks to fetch its results."""
+        ...
+
 
 class PolicyGroup(ScoringGroup, Protocol):
     """The actor: scores, and takes policy updates."""
 
     def train_policy(
-        self, per_rank: Sequence[list[PolicyBatch]], *, settings: PolicyLossSettings
+        self,
+        per_rank: Sequence[list[PolicyBatch]],
+        *,
+        settings: PolicyLossSettings,
+        reference: tuple[PendingScores, Sequence[LateReference]] | None = None,
     ) -> StepResult: ...
 
 

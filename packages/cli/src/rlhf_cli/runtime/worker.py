@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from rlhf_cli.data.batches import to_rows
 from rlhf_cli.runtime import losses, tensor_wire
+from rlhf_cli.runtime.late_reference import LateReference, ref_logp_of
 from rlhf_cli.runtime.specs import (
     DPOSettings,
     ExportOptions,
@@ -157,10 +158,21 @@ class LearnerWorker:
         return [float((lp * m).sum()) for lp, m in zip(logp, masks, strict=True)]
 
     # --- updates ---------------------------------------------------------------------------------
-    def train_policy(self, *, micro_batches: list[PolicyBatch], settings: PolicyLossSettings) -> StepResult:
+    def train_policy(
+        self,
+        *,
+        micro_batches: list[PolicyBatch],
+        settings: PolicyLossSettings,
+        late_reference: LateReference | None = None,
+    ) -> StepResult:
+        """``late_reference``: the micro-batches carry no reference log-probs; fetch them from the
+        reference group's results once the first forward has run (:mod:`rlhf_cli.runtime.late_reference`)."""
         from rlhf_learner import ppo_actor_step
 
-        return ppo_actor_step(self.engine, micro_batches, **losses.policy_step_args(settings))
+        kw = losses.policy_step_args(settings)
+        if late_reference is not None:
+            kw["ref_logp_of"] = ref_logp_of(late_reference, [mb.input_ids.shape for mb in micro_batches])
+        return ppo_actor_step(self.engine, micro_batches, **kw)
 
     def train_value(self, *, micro_batches: list[ValueBatch], settings: ValueLossSettings) -> StepResult:
         from rlhf_learner import critic_step

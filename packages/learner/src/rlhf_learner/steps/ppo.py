@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +33,16 @@ def ppo_actor_step(
     entropy_coef: float = 0.0,
     is_weights_fn: ISWeightsFn | None = None,
     aux_loss_coef: float = 0.0,
+    ref_logp_of: Callable[[int], torch.Tensor] | None = None,
 ) -> StepResult:
     """One PPO policy update over a gradient-accumulation window.
 
     ``engine`` wraps an :class:`~rlhf_learner.models.Actor`. Each micro-batch is a
     :class:`~rlhf_learner.steps.PolicyBatch`, with ``ref_logp`` when ``kl_loss_fn`` is given and
-    ``rollout_logp`` when ``is_weights_fn`` is.
+    ``rollout_logp`` when ``is_weights_fn`` is. ``ref_logp_of(i)``: micro-batch ``i``'s reference
+    log-probs (laid out as its ``input_ids``) for micro-batches without ``ref_logp``, asked for once its
+    forward has run, when its loss needs them: a reference forward elsewhere can still be running while
+    this one does.
 
     Per token: ``policy_loss_fn(logp, old_logp, advantages, mask, **kw)`` (a tensor or a result with
     ``.loss``; ``kw`` has ``is_weights`` = ``is_weights_fn(old_logp, rollout_logp, mask)`` when set
@@ -50,7 +54,9 @@ def ppo_actor_step(
     """
     if kl_coef and kl_loss_fn is None:
         raise ValueError("kl_coef: set, but no kl_loss_fn was given")
-    _check_policy_batches(micro_batches, kl_loss_fn=kl_loss_fn, is_weights_fn=is_weights_fn)
+    _check_policy_batches(
+        micro_batches, kl_loss_fn=kl_loss_fn, is_weights_fn=is_weights_fn, late_ref=ref_logp_of is not None
+    )
     fns = _ActorLoss(
         policy_loss_fn=policy_loss_fn,
         aggregate_fn=aggregate_fn,
@@ -60,13 +66,15 @@ def ppo_actor_step(
         is_weights_fn=is_weights_fn,
         aux_loss_coef=aux_loss_coef,
         gas=len(micro_batches),
+        ref_logp_of=ref_logp_of,
     )
+    position = iter(range(len(micro_batches)))  # run_window computes the micro-batches once, in order
     return run_window(
         engine,
         micro_batches,
         batch_type=PolicyBatch,
         count=lambda mb: masked_counts(mb.action_mask),
-        compute=lambda mb, c: _actor_micro_loss(engine, fns, mb, c),
+        compute=lambda mb, c: _actor_micro_loss(engine, fns, mb, c, next(position)),
         token_metrics=("policy_loss", "clip_frac", "kl", "entropy", "logp_mismatch"),
     )
 
@@ -84,6 +92,7 @@ class _ActorLoss:
     aux_loss_coef: float
     gas: int
     """Micro-batches in the window (the router auxiliary loss is averaged over them)."""
+    ref_logp_of: Callable[[int], torch.Tensor] | None = None
 
 
 def _check_policy_batches(
@@ -91,19 +100,20 @@ def _check_policy_batches(
     *,
     kl_loss_fn: KLLossFn | None,
     is_weights_fn: ISWeightsFn | None,
+    late_ref: bool,
 ) -> None:
     """Raise when a micro-batch lacks the log-probs the given KL or IS-weight function needs."""
     for i, mb in enumerate(micro_batches):
         if not isinstance(mb, PolicyBatch):
             continue  # run_window names the wrong type
-        if kl_loss_fn is not None and mb.ref_logp is None:
-            raise ValueError(f"micro_batches[{i}].ref_logp: needed by kl_loss_fn, not set")
+        if kl_loss_fn is not None and mb.ref_logp is None and not late_ref:
+            raise ValueError(f"micro_batches[{i}].ref_logp: needed by kl_loss_fn, not set (nor ref_logp_of)")
         if is_weights_fn is not None and mb.rollout_logp is None:
             raise ValueError(f"micro_batches[{i}].rollout_logp: needed by is_weights_fn, not set")
 
 
 def _actor_micro_loss(
-    engine: TrainEngine, fns: _ActorLoss, mb: PolicyBatch, c: WindowCounts
+    engine: TrainEngine, fns: _ActorLoss, mb: PolicyBatch, c: WindowCounts, i: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's PPO actor loss (normalised by the window's counts ``c``) and metric sums."""
     mask = mb.action_mask
@@ -130,7 +140,15 @@ def _actor_micro_loss(
     if getattr(res, "clipped", None) is not None:
         metrics["clip_frac"] = (res.clipped & mask.bool()).sum().to(per_token.dtype)
     if fns.kl_loss_fn is not None:
-        kl = fns.kl_loss_fn(out.logp, mb.ref_logp) * mf
+        ref = mb.ref_logp
+        if ref is None:
+            assert fns.ref_logp_of is not None  # (checked before the window)
+            ref = fns.ref_logp_of(i).to(device=out.logp.device)
+            if ref.shape != out.logp.shape:
+                raise ValueError(
+                    f"ref_logp_of({i}): shape {tuple(ref.shape)}, the micro-batch's is {tuple(out.logp.shape)}"
+                )
+        kl = fns.kl_loss_fn(out.logp, ref) * mf
         metrics["kl"] = kl.sum()
         if fns.kl_coef:
             per_token = per_token + fns.kl_coef * kl
