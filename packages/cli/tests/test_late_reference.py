@@ -68,7 +68,12 @@ def test_each_rank_rebuilds_the_reference_log_probs_the_batches_carry_otherwise(
             *("--algo.kl.coef", "0.1", "--algo.kl.use_loss", "true", "--train.warmup_sft_steps", "0"),
         ],
     )
-    assert cfg.reference_overlaps_update
+    # (A run overlaps the reference only with one optimizer step per rollout batch, where the experience
+    # stage needs no KL; the update stage binds it late over any number of them, as here.)
+    assert not cfg.reference_overlaps_update
+    assert cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"ppo_epochs": 1, "batch_size": None})}
+    ).reference_overlaps_update
     batch = samples(12)
     scores = [torch.randn(s.length) for s in batch]
     # The reference's results as five ranks leave them: contiguous shards of 2-3, padded to 3 (NaNs here).
@@ -84,11 +89,24 @@ def test_each_rank_rebuilds_the_reference_log_probs_the_batches_carry_otherwise(
     update(cfg, batch, actor=scored, critic=None, kl_coef=0.1, step=3)
 
     assert len(late.calls) == len(scored.calls) == 4
+    fetched = [{}, {}]  # what each rank keeps across the rollout batch's optimizer steps
     for (per_rank, reference), (want_per_rank, none) in zip(late.calls, scored.calls, strict=True):
         assert none is None and reference[0] is pending
-        for mbs, rank_late, want in zip(per_rank, reference[1], want_per_rank, strict=True):
+        for rank, (mbs, rank_late, want) in enumerate(
+            zip(per_rank, reference[1], want_per_rank, strict=True)
+        ):
             assert len(mbs) == 3 and all(mb.ref_logp is None for mb in mbs)
-            of = ref_logp_of(rank_late, [mb.input_ids.shape for mb in mbs])
+            of = ref_logp_of(rank_late, [mb.input_ids.shape for mb in mbs], fetched[rank])
             for i, (mb, w) in enumerate(zip(mbs, want, strict=True)):
                 assert torch.equal(mb.input_ids, w.input_ids)
                 assert torch.equal(of(i), w.ref_logp)
+
+
+def test_a_reference_forward_of_other_samples_is_refused(ray_cluster):
+    cfg = build_config(
+        PPOConfig, ["--algo.kl.coef", "0.1", "--algo.kl.use_loss", "true", "--train.warmup_sft_steps", "0"]
+    )
+    parts = [ray_cluster.put([torch.zeros(3)] * 3)]
+    pending = PendingScores(parts=parts, lengths=[3], all_refs=parts, timeout_s=30.0)
+    with pytest.raises(ValueError, match="scored 3 sequences, the update has 4"):
+        update(cfg, samples(4), actor=RecordingActor(), critic=None, kl_coef=0.1, reference=pending)

@@ -126,7 +126,8 @@ class PPOConfig(Section):
     @property
     def reference_overlaps_update(self) -> bool:
         """``--train.overlap_reference`` applies: the reference's log-probs feed the KL loss alone (not the
-        reward, the advantages or an asynchronous producer), and the actor and reference share no bundles."""
+        reward, the advantages, an asynchronous producer, nor the experience stage's KL: the update is
+        exactly on-policy, so that KL is the update's own), and the actor and reference share no bundles."""
         kl, t = self.algo.kl, self.train
         shared = any({"actor", "ref"} <= set(s) for s in self.colocated)
         return (
@@ -135,6 +136,7 @@ class PPOConfig(Section):
             and kl.use_loss
             and not kl.reward_penalty
             and not t.async_.enabled
+            and self.exactly_on_policy
             and not shared
         )
 

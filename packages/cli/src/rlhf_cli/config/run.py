@@ -145,8 +145,9 @@ class TrainConfig(Section):
     """The critic and reward-model groups share bundles."""
     overlap_reference: bool = True
     """A KL loss's reference forward runs while the actor's update starts: the actor's ranks fetch its
-    log-probs themselves when their loss needs them. Synchronous runs with --algo.kl.use_loss and no KL in
-    the reward, the actor and reference on bundles of their own; false: the reference is scored first."""
+    log-probs themselves when their loss needs them. Synchronous runs with --algo.kl.use_loss, no KL in the
+    reward and one optimizer step per rollout batch, the actor and reference on bundles of their own;
+    false: the reference is scored first."""
     offload_during_rollout: bool = False
     """Colocated on GPU: the trained groups' DeepSpeed states go to host memory while the engines generate
     and come back before the update."""

@@ -35,9 +35,8 @@ class Updates:
     def seconds(self) -> float:
         return self.actor_s + self.critic_s
 
-    measured_kl: bool = False
-    """The experience stage measured no KL to the reference (the old-policy forward was skipped, or the
-    reference's log-probs went to the actor's ranks alone): the update's is reported."""
+    on_policy: bool = False
+    """The old-policy forward was skipped: the step measured the KL and the engine gap."""
 
     @property
     def kl_mean(self) -> float | None:
@@ -52,7 +51,7 @@ class Updates:
         if "logp_mismatch" in a:  # the engine's log-probs against the policy the update started from
             out["sync/logp_mismatch_mean"] = a.pop("logp_mismatch")
             out["sync/logp_mismatch_max"] = a.pop("logp_mismatch_max")
-        if self.measured_kl and "kl" in a:
+        if self.on_policy and "kl" in a:
             out["policy/kl"] = a["kl"]
         out |= {f"actor/{k}": v for k, v in a.items()}
         if self.actor.grad_norm is not None:
@@ -196,6 +195,10 @@ def update(
     """``--train.ppo_epochs`` passes over the samples, one actor (and critic) optimizer step per
     mini-batch (OpenRLHF's and verl's PPO semantics). ``reference``: the reference forward of
     ``samples``, still running (``Experience.pending_reference``)."""
+    if reference is not None and sum(reference.lengths) != len(samples):
+        raise ValueError(
+            f"reference: scored {sum(reference.lengths)} sequences, the update has {len(samples)}"
+        )
     actor_results, critic_results, seconds = [], [], [0.0, 0.0]
     index = {id(s): i for i, s in enumerate(samples)}
     for epoch in range(cfg.train.ppo_epochs):
@@ -217,5 +220,5 @@ def update(
         optimizer_steps=len(actor_results),
         actor_s=seconds[0],
         critic_s=seconds[1],
-        measured_kl=samples[0].old_logp is None or reference is not None,
+        on_policy=samples[0].old_logp is None,
     )

@@ -60,6 +60,7 @@ RESUMABLE_CHANGES = (
     "weightsync.timeout_s",
     "train.async.",
     "train.pin_cores",
+    "train.overlap_reference",
 )
 """Settings a resumed run may change; every other one must equal the checkpoint's (the step counts only
 without a learning-rate schedule: ``resumable_changes``). (``rlhf ppo`` may

@@ -18,6 +18,7 @@ __all__ = [
     "get_all",
     "lost_host",
     "naming_nonfinite",
+    "raise_a_death_among",
 ]
 
 
@@ -69,12 +70,12 @@ def get_all(refs: list[Any], *, timeout_s: float) -> list[Any]:
             results[ready[0]] = ray.get(ready[0])  # raises the call's error (or its actor's death) now
         except Exception as err:
             if dead_actor(err) is None:  # a peer of a dead actor may fail first: name the death
-                _raise_a_death_among(waiting, within_s=2.0, cause=err)
+                raise_a_death_among(waiting, within_s=2.0, cause=err)
             raise
     return [results[r] for r in refs]
 
 
-def _raise_a_death_among(refs: list[Any], *, within_s: float, cause: BaseException) -> None:
+def raise_a_death_among(refs: list[Any], *, within_s: float, cause: BaseException) -> None:
     """Raise the first actor death among ``refs`` that shows within ``within_s`` (chained to ``cause``)."""
     import ray
 

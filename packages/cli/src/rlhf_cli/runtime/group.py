@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from rlhf_cli.runtime.failures import Stops, get_all
+from rlhf_cli.runtime.failures import Stops, get_all, raise_a_death_among
 from rlhf_cli.runtime.late_reference import LateReference, PendingScores
 from rlhf_cli.runtime.openmp import openmp_env
 from rlhf_cli.runtime.specs import (
@@ -209,8 +209,8 @@ class LearnerGroup:
         reference: tuple[PendingScores, Sequence[LateReference]] | None = None,
     ) -> StepResult:
         """``reference``: the reference group's forward, still running, and what each rank needs to fetch
-        its micro-batches' log-probs from it (they carry none); its calls are waited for beside the ranks'
-        own, so that a failure there (a dead reference rank) is raised as itself."""
+        its micro-batches' log-probs from it (they carry none; the ranks wait for it). When the update
+        fails because a reference rank died, that death is what is raised."""
         if reference is None:
             return self._step(per_rank, lambda w, a: w.train_policy.remote(**a, settings=settings))
         pending, late = reference
@@ -218,7 +218,11 @@ class LearnerGroup:
             w.train_policy.remote(micro_batches=mbs, settings=settings, late_reference=lr)
             for w, mbs, lr in zip(self.workers, per_rank, late, strict=True)
         ]
-        return self._get(refs + pending.all_refs)[0]
+        try:
+            return self._get(refs)[0]
+        except Exception as err:
+            raise_a_death_among(pending.all_refs, within_s=2.0, cause=err)
+            raise
 
     def train_value(self, per_rank: Sequence[list[ValueBatch]], *, settings: ValueLossSettings) -> StepResult:
         return self._step(per_rank, lambda w, a: w.train_value.remote(**a, settings=settings))

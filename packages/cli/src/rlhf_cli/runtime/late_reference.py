@@ -3,11 +3,14 @@ update starts, and each actor rank fetches the results itself when its first los
 
 The driver starts the reference forward and keeps its ranks' result references (:class:`PendingScores`);
 each actor rank gets, with its micro-batches, a :class:`LateReference`: those references and where each of
-its micro-batches' samples sit in its rows. Nothing of the reference's output passes through the driver.
+its micro-batches' samples sit in its rows, and fetches the shards it needs. Nothing of the reference's
+output passes through the driver.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,21 +56,27 @@ class LateReference:
     timeout_s: float
 
 
-def ref_logp_of(late: LateReference, shapes: Sequence[torch.Size]) -> Callable[[int], torch.Tensor]:
+def ref_logp_of(
+    late: LateReference, shapes: Sequence[torch.Size], fetched: dict[Any, list[torch.Tensor]]
+) -> Callable[[int], torch.Tensor]:
     """``ref_logp_of(i)`` for ``rlhf_learner.ppo_actor_step``: micro-batch ``i``'s reference log-probs as a
-    ``shapes[i]`` float32 tensor, from the reference's results (fetched at the first call, within
-    ``late.timeout_s``)."""
+    ``shapes[i]`` float32 tensor. The results of the reference's shards these micro-batches need are
+    fetched at the first call (within ``late.timeout_s``) into ``fetched`` (reference -> results), which
+    a rank keeps across the optimizer steps of one rollout batch."""
     import ray
 
-    fetched: list[torch.Tensor] = []
+    starts = list(itertools.accumulate(late.lengths, initial=0))
+    part_of = {s: bisect.bisect_right(starts, s) - 1 for mb in late.placements for s, *_ in mb}
 
     def of(i: int) -> torch.Tensor:
-        if not fetched:
-            parts = ray.get(late.parts, timeout=late.timeout_s)
-            fetched.extend(x for part, n in zip(parts, late.lengths, strict=True) for x in part[:n])
+        missing = sorted({p for p in part_of.values() if late.parts[p] not in fetched})
+        if missing:
+            values = ray.get([late.parts[p] for p in missing], timeout=late.timeout_s)
+            fetched.update(zip((late.parts[p] for p in missing), values, strict=True))
         out = torch.zeros(shapes[i], dtype=torch.float32)
         for sample, row, start, length in late.placements[i]:
-            out[row, start : start + length] = fetched[sample][:length]
+            p = part_of[sample]
+            out[row, start : start + length] = fetched[late.parts[p]][sample - starts[p]][:length]
         return out
 
     return of

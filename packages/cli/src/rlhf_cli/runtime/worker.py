@@ -70,6 +70,8 @@ class LearnerWorker:
         self.engine: Any = None
         self.sender: Any = None
         self._reserved: dict[int, socket.socket] = {}
+        self._reference_parts: dict[Any, list[torch.Tensor]] = {}
+        """The reference's results this rank fetched for the current rollout batch (train_policy)."""
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a port on it for a rendezvous this rank will serve (the group's, or the
@@ -170,8 +172,11 @@ class LearnerWorker:
         from rlhf_learner import ppo_actor_step
 
         kw = losses.policy_step_args(settings)
-        if late_reference is not None:
-            kw["ref_logp_of"] = ref_logp_of(late_reference, [mb.input_ids.shape for mb in micro_batches])
+        if late_reference is not None:  # (the results of this rollout batch's reference forward only)
+            kept = self._reference_parts.items()
+            self._reference_parts = {r: v for r, v in kept if r in late_reference.parts}
+            shapes = [mb.input_ids.shape for mb in micro_batches]
+            kw["ref_logp_of"] = ref_logp_of(late_reference, shapes, self._reference_parts)
         return ppo_actor_step(self.engine, micro_batches, **kw)
 
     def train_value(self, *, micro_batches: list[ValueBatch], settings: ValueLossSettings) -> StepResult:
