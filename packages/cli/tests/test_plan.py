@@ -250,6 +250,7 @@ def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, l
     assert plan.group("actor").threads == learner and plan.group("engines").threads == engine
     tiny = make_plan(ppo("--actor.pretrain", str(write_config(tmp_path / "tiny")), *flags), CPU)
     assert tiny.group("engines").threads == (3 if "--ray.threads_per_rank" in flags else 1)
+    assert tiny.group("actor").threads == (3 if "--ray.threads_per_rank" in flags else 1)  # so are its ranks
     assert make_plan(cfg, gpu(80.0, gpus=8)).group("engines").threads == 0  # GPU engines set their own
 
 

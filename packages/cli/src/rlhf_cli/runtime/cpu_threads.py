@@ -21,14 +21,18 @@ def with_threads(
     resources: ClusterResources,
     threads_per_rank: int | None,
 ) -> list[GroupPlan]:
-    """Each learner group's torch threads per rank: ``--ray.threads_per_rank``, else its node's cores
-    divided by the group's ranks on the node (``per_node``): the stages of a synchronous step run one at a
-    time, so the group running owns the node's cores (a fractional Ray CPU would give it one thread)."""
+    """Each learner group's torch threads per rank: ``--ray.threads_per_rank``, else one for a tiny model,
+    else its node's cores divided by the group's ranks on the node (``per_node``): the stages of a
+    synchronous step run one at a time, so the group running owns the node's cores (a fractional Ray CPU
+    would give it one thread)."""
     cores = max(1, int(resources.cpus // max(1, resources.nodes)))
-    return [
-        replace(g, threads=threads_per_rank or max(1, cores // per_node[g.name])) if g.name in per_node else g
-        for g in groups
-    ]
+
+    def threads(g: GroupPlan) -> int:
+        if threads_per_rank:
+            return threads_per_rank
+        return 1 if 0 < g.params < _ONE_THREAD_PARAMS else max(1, cores // per_node[g.name])
+
+    return [replace(g, threads=threads(g)) if g.name in per_node else g for g in groups]
 
 
 def pinned(
@@ -56,9 +60,12 @@ def pinned(
     return out
 
 
-_ONE_THREAD_ENGINE_PARAMS = 5e6
-"""Below this, a CPU engine generates faster on one thread: a 0.4M-parameter model ran at 1.02x raw vLLM
-on one thread and 0.66x on two, a 24M one at 1.08x and 1.57x (benchmarks/rollout_cpu.py)."""
+_ONE_THREAD_PARAMS = 5e6
+"""Below this, a CPU engine or learner rank runs faster on one thread (its ops are too small to split): a
+0.4M-parameter model generated at 1.02x raw vLLM on one thread and 0.66x on two, a 24M one at 1.08x and
+1.57x (benchmarks/rollout_cpu.py); a 0.4M GRPO step on 2 cores took 0.256-0.260 s with one thread per
+learner rank against 0.267-0.295 s with two (0.273-0.277 against 0.286-0.311 with the reference scored
+before the update; benchmarks/e2e_grpo_vs_trl.py --worker ours, alternating runs)."""
 
 
 def engine_threads(
@@ -69,7 +76,7 @@ def engine_threads(
     learners wait while the engines generate (Ray would give a fractional-CPU actor one thread)."""
     if threads_per_rank:
         return threads_per_rank
-    if params < _ONE_THREAD_ENGINE_PARAMS:
+    if params < _ONE_THREAD_PARAMS:
         return 1
     cores = max(1, int(resources.cpus // max(1, resources.nodes)))
     return max(1, cores // max(1, math.ceil(processes / max(1, resources.nodes))))
