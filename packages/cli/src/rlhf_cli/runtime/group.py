@@ -138,22 +138,8 @@ class LearnerGroup:
     ) -> PendingScores:
         """Start ``forward`` on every rank and wait for nothing: its results stay in Ray's object store,
         for the ranks of another group to fetch (:mod:`rlhf_cli.runtime.late_reference`)."""
-        shards = self.shards(list(sequences))
-        longest = max(len(s) for s in shards)
-        refs = [
-            w.forward.remote(
-                sequences=shard + [sequences[0]] * (longest - len(shard)),  # as _submit pads
-                micro_batch_size=micro_batch_size,
-                packing=packing,
-            )
-            for w, shard in zip(self.workers, shards, strict=True)
-        ]
-        return PendingScores(
-            parts=refs[:: self.block],
-            lengths=[len(s) for s in shards[:: self.block]],
-            all_refs=refs,
-            timeout_s=self.timeout_s,
-        )
+        call = lambda w, a: w.forward.remote(**a, micro_batch_size=micro_batch_size, packing=packing)  # noqa: E731
+        return self._start(call, sequences=sequences)
 
     def sequence_logps(
         self, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *, micro_batch_size: int
@@ -171,10 +157,19 @@ class LearnerGroup:
     def _submit(
         self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()
     ) -> Callable[[], list[Any]]:
-        """``call`` on contiguous shards of ``sequences`` (and ``masks``), one per rank; the returned call
-        waits and gives the results in order. Shards are padded (with copies of the first item, results
-        dropped) to the same length, so every rank makes the same number of forward calls: ZeRO-3
-        gathers parameters collectively in each."""
+        """:meth:`_start`; the returned call waits and gives the results in order."""
+        pending = self._start(call, sequences=sequences, masks=masks)
+
+        def results() -> list[Any]:
+            parts = self._get(pending.all_refs)[:: self.block]  # a block's ranks return the same results
+            return [x for part, n in zip(parts, pending.lengths, strict=True) for x in part[:n]]
+
+        return results
+
+    def _start(self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()) -> PendingScores:
+        """``call`` on contiguous shards of ``sequences`` (and ``masks``), one per rank, not waited for.
+        Shards are padded (with copies of the first item, results dropped) to the same length, so every
+        rank makes the same number of forward calls: ZeRO-3 gathers parameters collectively in each."""
         items = list(zip(sequences, masks, strict=True)) if masks else [(x, None) for x in sequences]
         shards = self.shards(items)
         longest = max(len(s) for s in shards)
@@ -185,16 +180,12 @@ class LearnerGroup:
             if masks:
                 a["masks"] = [m for _, m in padded]
             refs.append(call(w, a))
-
-        def results() -> list[Any]:
-            parts = self._get(refs)[:: self.block]  # every rank of a block returns the same (whole) results
-            return [
-                x
-                for part, shard in zip(parts, shards[:: self.block], strict=True)
-                for x in part[: len(shard)]
-            ]
-
-        return results
+        return PendingScores(
+            parts=refs[:: self.block],
+            lengths=[len(s) for s in shards[:: self.block]],
+            all_refs=refs,
+            timeout_s=self.timeout_s,
+        )
 
     # --- updates: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result ---------
     def _step(self, per_rank: Sequence[list[Any]], call: Call) -> StepResult:
