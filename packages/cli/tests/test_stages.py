@@ -102,6 +102,17 @@ class FakeGroup:
         return StepResult(loss=10.0 + len(self.value_calls), grad_norm=None, metrics={"values": 1.5})
 
 
+SMALL_BATCH = (
+    "--rollout.batch_size",
+    "2",
+    "--rollout.n_samples_per_prompt",
+    "2",
+    "--train.micro_batch_size",
+    "2",
+)
+"""Two prompts, two samples each, two per micro-batch."""
+
+
 def make_samples(n_prompts: int, n: int, *, seed: int = 0, hole: bool = True) -> list[Sample]:
     """Samples grouped by prompt, varied lengths, one with an environment-token hole in its mask."""
     rng = random.Random(seed)
@@ -285,6 +296,30 @@ def test_experience_logp_mismatch_is_over_action_tokens():
     assert max(all_gaps) > max(gaps)  # the check above would fail if prompt tokens counted
     m = exp.metrics()
     assert m["sync/logp_mismatch_max"] == exp.logp_mismatch_max
+
+
+@pytest.mark.parametrize("logprobs", ["true", "false"])
+def test_without_engine_logprobs_no_gap_is_measured_nor_sent(logprobs):
+    """``--rollout.logprobs false``: the engines' log-probs are NaN, so neither the experience stage (an
+    update that is not exactly on-policy) nor the update (exactly on-policy) measures the gap."""
+    for ppo_epochs in ("2", "1"):
+        cfg = cfg_of(*SMALL_BATCH, "--rollout.logprobs", logprobs, "--train.ppo_epochs", ppo_epochs)
+        samples = make_samples(2, 2, seed=4)
+        if logprobs == "false":
+            for s in samples:
+                s.rollout_logp = torch.where(s.action_mask, torch.tensor(math.nan), torch.zeros(()))
+        actor = actor_group()
+        exp = make_experience(cfg, samples, actor=actor, ref=None, critic=None, kl_coef=0.0)
+        measured = "sync/logp_mismatch_mean" in exp.metrics()
+        assert measured == (logprobs == "true" and not cfg.exactly_on_policy)
+        update(cfg, exp.samples, actor=actor, critic=None, kl_coef=0.0)
+        sent = [
+            mb.rollout_logp is not None
+            for per_rank, _ in actor.policy_calls
+            for mbs in per_rank
+            for mb in mbs
+        ]
+        assert set(sent) == {logprobs == "true" and cfg.exactly_on_policy}
 
 
 def test_experience_gae_values_and_whitened_advantages_by_hand():
@@ -503,14 +538,7 @@ def test_policy_settings_carry_the_config():
 
 
 def test_update_sends_ref_and_rollout_logp_only_when_the_loss_needs_them():
-    common = [
-        "--rollout.batch_size",
-        "2",
-        "--rollout.n_samples_per_prompt",
-        "2",
-        "--train.micro_batch_size",
-        "2",
-    ]
+    common = list(SMALL_BATCH)
     cfg = cfg_of(
         *common, "--algo.kl.coef", "0.05", "--algo.kl.use_loss", "true", "--algo.is_correction.mode", "icepop",
         "--train.packing", "false",

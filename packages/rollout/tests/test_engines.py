@@ -3,6 +3,8 @@ finish reasons, bad prompts. The vLLM engine runs in the session's Ray actor (vl
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from rlhf_rollout import SamplingParams
@@ -42,6 +44,18 @@ def test_logprobs_match_transformers_recomputation(engine, engine_name, hf_model
             assert torch.isfinite(ref).all(), "a sampled token lies outside the top-k set"
             worst = max(worst, (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max().item())
     assert worst < LOGPROB_ATOL[engine_name], f"max |logprob diff| {worst}"
+
+
+def test_without_logprobs_the_same_tokens_come_with_nan_logprobs(engine):
+    asked = SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=9)
+    with_lp = engine.generate(PROMPTS, asked)
+    without = engine.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=9, logprobs=False)
+    )
+    assert [[g.token_ids for g in row] for row in without] == [[g.token_ids for g in row] for row in with_lp]
+    assert all(math.isfinite(x) for row in with_lp for g in row for x in g.logprobs)
+    assert all(math.isnan(x) for row in without for g in row for x in g.logprobs)
+    assert sum(len(g.logprobs) for row in without for g in row) > 0
 
 
 def test_n_samples_per_prompt(engine):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -189,6 +190,8 @@ class TransformersEngine:
                     end, reason = t + 1, "stop"
                     break
             lp = logprobs[r, :end].tolist() if logprobs is not None else []
+            if not params.logprobs:  # recorded anyway (the recorder is what samples), dropped as asked
+                lp = [math.nan] * end
             gens.append(Generation(token_ids=row[:end], logprobs=lp, finish_reason=reason))
         return gens
 

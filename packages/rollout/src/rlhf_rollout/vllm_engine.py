@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -234,7 +235,7 @@ def vllm_sampling_params(params: SamplingParams, prompt_index: int, *, final_onl
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         seed=seed,
-        logprobs=0,
+        logprobs=0 if params.logprobs else None,
         flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
         detokenize=False,
         output_kind=kind,
@@ -247,7 +248,9 @@ def to_generation(completion) -> Generation:
     labels are the integers this package's engines set)."""
     token_ids = list(completion.token_ids)
     flat = completion.logprobs
-    if getattr(flat, "token_ids", None) == token_ids:  # FlatLogprobs holding exactly the sampled tokens
+    if flat is None:  # none asked for
+        logprobs = [math.nan] * len(token_ids)
+    elif getattr(flat, "token_ids", None) == token_ids:  # FlatLogprobs holding exactly the sampled tokens
         logprobs = list(flat.logprobs)
     else:
         logprobs = [float(step[t].logprob) for step, t in zip(flat, token_ids, strict=True)]

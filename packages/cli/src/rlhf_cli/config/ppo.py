@@ -178,6 +178,10 @@ class PPOConfig(Section):
                 "--algo.is_correction with --rollout.top_p < 1: the engine's log-probs are of the top-p truncated "
                 "distribution, the learner's of the full one, so their ratio is no importance weight"
             )
+        if not self.rollout.logprobs and self.algo.is_correction.mode != "none":
+            raise ValueError(
+                "--algo.is_correction needs the engines' log-probs, but --rollout.logprobs is false"
+            )
         if self.algo.is_correction.low >= self.algo.is_correction.high:
             raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
         if self.algo.dynamic_filtering.low >= self.algo.dynamic_filtering.high:

@@ -24,7 +24,7 @@ def evaluate(
     reward_model: ScoringGroup | None,
 ) -> dict[str, float]:
     """Greedy answers to every evaluation prompt: mean reward and pass rate (score >= threshold)."""
-    params = SamplingParams(temperature=0.0, n=1, max_new_tokens=cfg.rollout.max_new_tokens)
+    params = SamplingParams(temperature=0.0, n=1, max_new_tokens=cfg.rollout.max_new_tokens, logprobs=False)
     trajs = make_executor(params).run(prompts.token_ids, labels=prompts.labels)
     scores = [t.score for t in trajs]
     if reward_model is not None:

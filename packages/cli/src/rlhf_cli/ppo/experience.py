@@ -184,7 +184,7 @@ def make_experience(
     for i, s in enumerate(samples):
         s.advantages, s.returns = adv[i, : s.length].clone(), ret[i, : s.length].clone()
     gap = None
-    if old_t is not None:
+    if old_t is not None and cfg.rollout.logprobs:
         gap = (old_t - pad_stack([s.rollout_logp for s in samples])).abs()[mask.bool()]
     return Experience(
         samples=list(samples),

@@ -81,6 +81,7 @@ class RolloutStage:
             max_new_tokens=r.max_new_tokens,
             n=r.n_samples_per_prompt,
             seed=self.cfg.train.seed + 100_003 * step + 7_919 * round_,
+            logprobs=r.logprobs,
         )
 
     def produce(self, step: int, *, weight_version: int) -> RolloutBatch:

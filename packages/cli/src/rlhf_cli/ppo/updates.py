@@ -135,7 +135,8 @@ def update_policy(
     maps ``id(sample)`` to the sample's position in what it scores."""
     settings = policy_settings(cfg, kl_coef=kl_coef)
     with_ref = settings.kl_loss_coef > 0
-    with_rollout = settings.is_correction != "none" or samples[0].old_logp is None  # the gap, measured here
+    gap_here = cfg.rollout.logprobs and samples[0].old_logp is None  # the engines' gap, measured here
+    with_rollout = settings.is_correction != "none" or gap_here
     late = with_ref and reference is not None
 
     def build(part: list[Sample]) -> tuple[PolicyBatch, list[Placement]]:
