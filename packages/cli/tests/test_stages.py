@@ -4,6 +4,7 @@ reference loops written here, not from the implementation."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
@@ -730,6 +731,13 @@ def test_dapo_drops_uniform_groups_and_samples_more_prompts():
         p = c["params"]
         assert p.n == 2 and p.max_new_tokens == cfg.rollout.max_new_tokens
         assert p.seed == cfg.train.seed + 100_003 * 5 + 7_919 * k
+        assert p.logprobs is True
+    skipping = dapo_cfg("--rollout.logprobs", "false")
+    rewards = RewardStage(skipping, reward_model=None)
+    assert (
+        RolloutStage(skipping, make_executor=ex, prompts=prompts, rewards=rewards).params(5, 1).logprobs
+        is False
+    )
     m = batch.metrics()
     assert m["filter/rounds"] == 2.0 and m["filter/refilled_with_dropped_groups"] == 0.0
     assert m["extra/round"] == pytest.approx(1.5)  # over the batch's trajectories: 4 of round 1, 4 of round 2
@@ -879,3 +887,26 @@ def test_concurrent_forwards_give_the_same_experience():
     assert a.kl_mean == b.kl_mean and a.advantage_mean == b.advantage_mean
     for x, y in zip(a.samples, b.samples, strict=True):
         assert torch.equal(x.old_logp, y.old_logp) and torch.equal(x.values, y.values)
+
+
+def test_an_agents_requests_sample_as_the_run_says_whatever_they_ask():
+    """Behind an agent's OpenAI server every request takes the run's temperature, top_p, top_k and
+    whether log-probs are computed; max_new_tokens is capped by the run's and by the context."""
+    from rlhf_cli.ppo.sources import _RunSampling
+    from rlhf_rollout import SamplingParams
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.params: list[SamplingParams] = []
+
+        async def agenerate(self, prompts, params):
+            self.params.append(params)
+            return [[] for _ in prompts]
+
+    engine = Recorder()
+    run = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=8, logprobs=False)
+    asked = SamplingParams(temperature=0.0, max_new_tokens=50, n=2, seed=3)
+    asyncio.run(_RunSampling(engine, run, limit=20).agenerate([[1] * 15], asked))
+    (got,) = engine.params
+    assert (got.temperature, got.top_p, got.top_k, got.logprobs) == (0.7, 0.9, 5, False)
+    assert (got.max_new_tokens, got.n, got.seed) == (5, 2, 3)

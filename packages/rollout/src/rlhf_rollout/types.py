@@ -42,9 +42,10 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS (stop tokens still stop). For benchmarks with fixed lengths."""
     logprobs: bool = True
-    """Compute each sampled token's logprob. ``False``: the engine skips that work (vLLM's per-token
-    log-prob gathering and bookkeeping, about a sixth of a 0.4M model's generation on one CPU core) and
-    every ``Generation.logprobs`` entry is NaN."""
+    """Return each sampled token's logprob. ``False``: every ``Generation.logprobs`` entry is NaN, and the
+    vLLM engines skip that work (vLLM's per-token log-prob gathering and bookkeeping, about a sixth of a
+    0.4M model's generation on one CPU core; the transformers engine, whose logits processor samples,
+    computes them anyway)."""
     extra: dict = field(default_factory=dict, compare=False)
     """Backend-specific extras passed through unchanged (e.g. vLLM ``SamplingParams`` fields)."""
 

@@ -47,7 +47,8 @@ class Sample:
     action_mask: torch.Tensor
     """True on the tokens the policy sampled (the ones trained on)."""
     rollout_logp: torch.Tensor
-    """The engine's log-probs of the sampled tokens (0 elsewhere)."""
+    """The engine's log-probs of the sampled tokens (0 elsewhere; NaN where ``--rollout.logprobs false``
+    asked for none)."""
     score: float
     """The reward source's score (what filters and pass rates read)."""
     reward: float

@@ -223,7 +223,8 @@ def _with_timeout(agent: Callable[..., Any], timeout_s: float) -> Callable[..., 
 class _RunSampling:
     """The engine as the agent's server sees it: every call samples at the run's temperature, top_p and
     top_k, with at most the run's max_new_tokens (and no more than the context leaves), whatever the
-    request asks, so the recorded log-probs are those the learner compares with."""
+    request asks, so the recorded log-probs are those the learner compares with; and computes them only
+    when the run asks for them (``--rollout.logprobs``)."""
 
     def __init__(self, engine: Any, params: SamplingParams, *, limit: int) -> None:
         self.engine, self.params, self.limit = engine, params, limit
@@ -244,6 +245,7 @@ class _RunSampling:
             top_p=run.top_p,
             top_k=run.top_k,
             max_new_tokens=max(1, min(params.max_new_tokens, run.max_new_tokens, room)),
+            logprobs=run.logprobs,
         )
         return await agenerate(self.engine, prompts, pinned)
 

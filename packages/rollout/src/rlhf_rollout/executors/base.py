@@ -23,7 +23,8 @@ class Trajectory:
 
     ``token_ids = prompt + (response | environment feedback)*``. ``action_mask[t]`` is true exactly
     for tokens the policy sampled (the tokens training acts on); ``logprobs[t]`` is the rollout
-    engine's logprob of token ``t`` under the sampling distribution, ``0.0`` where the mask is false.
+    engine's logprob of token ``t`` under the sampling distribution (NaN when the sampling params asked
+    for none), ``0.0`` where the mask is false.
     The three lists have equal length; the model's tokens are the engine's ids, never re-tokenized.
     """
 
