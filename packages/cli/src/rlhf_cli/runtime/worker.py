@@ -41,7 +41,9 @@ def build_model(spec: GroupSpec, ds_config: dict, sp_group: Any = None) -> torch
 
     if spec.role == "actor":
         lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config, lora=spec.lora)
-        return Actor(lm, temperature=spec.temperature, sequence_parallel_group=sp_group)
+        return Actor(
+            lm, temperature=spec.temperature, sequence_parallel_group=sp_group, compile=spec.model.compile
+        )
     if spec.role == "ref":
         return load_reference(
             spec.model_path,

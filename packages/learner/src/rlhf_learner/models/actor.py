@@ -31,6 +31,16 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _per_token(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[R, L-1]`` log-probs of tokens ``1..L-1`` of each row from ``[R, L, vocab]`` logits (column ``j``
+    predicts token ``j + 1``), and the entropies of those predictions when ``entropy``."""
+    z = logits[:, :-1]
+    logp = token_logprobs(z, input_ids[:, 1:], temperature=temperature)
+    return logp, entropy_from_logits(z, temperature=temperature) if entropy else None
+
+
 class ActorOutput(NamedTuple):
     logp: torch.Tensor
     """``[B, T]``: ``log pi(x_t | x_<t)`` of each input token; 0 where no prediction exists
@@ -109,13 +119,21 @@ class Actor(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, *, temperature: float = 1.0, sequence_parallel_group: Any = None
+        self,
+        model: nn.Module,
+        *,
+        temperature: float = 1.0,
+        sequence_parallel_group: Any = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
         self.temperature = temperature
+        self._per_token = torch.compile(_per_token, dynamic=True) if compile else _per_token
+        """The log-probs (and entropies) from the logits; with ``compile`` one fused kernel each way (pass
+        the model's ``ModelOptions.compile``: the logits then come from compiled code too)."""
         self.sp_group = sequence_parallel_group
         if sequence_parallel_group is not None:
             from rlhf_learner.ring_attention import use_ring_attention
@@ -156,11 +174,12 @@ class Actor(nn.Module):
         out = self.model(
             input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=False, **kwargs
         )
-        logits = back(out.logits)[:, :-1]
-        logp = shift_to_inputs(token_logprobs(logits, input_ids[:, 1:], temperature=self.temperature), packed)
-        entropy = None
-        if return_entropy:
-            entropy = shift_to_inputs(entropy_from_logits(logits, temperature=self.temperature), packed)
+        # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
+        # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.
+        lp, ent = self._per_token(out.logits, ids, self.temperature, entropy=return_entropy)
+        starts = pos if packed is not None else None
+        logp = back(shift_to_inputs(lp, starts))
+        entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None
         return ActorOutput(logp, entropy, aux)
 
@@ -221,6 +240,11 @@ def load_reference(
     model = load_causal_lm(path, options=options, ds_config=ds_config)
     model.eval()
     model.requires_grad_(False)
-    ref = Actor(model, temperature=temperature, sequence_parallel_group=sequence_parallel_group)
+    ref = Actor(
+        model,
+        temperature=temperature,
+        sequence_parallel_group=sequence_parallel_group,
+        compile=options is not None and options.compile,
+    )
     ref.eval()
     return ref

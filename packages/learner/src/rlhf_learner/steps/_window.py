@@ -88,7 +88,7 @@ def all_gather_rows(x: torch.Tensor, engine: TrainEngine) -> torch.Tensor:
     ranks in rank order; ``x`` itself without a process group. Detached (no gradient flows back)."""
     group = _dp_group(engine)
     x = x.detach()
-    if group is None or dist.get_world_size(group) == 1:
+    if _alone(group):
         return x
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)]
@@ -101,19 +101,24 @@ def all_gather_rows(x: torch.Tensor, engine: TrainEngine) -> torch.Tensor:
     return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
 
 
+def _alone(group: Any) -> bool:
+    """No other rank to reduce with (a collective over one rank still costs a gloo round trip)."""
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
 def _all_reduce_sum(values: list[float], group: Any, device: torch.device) -> list[float]:
+    if _alone(group):
+        return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, group=group)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
 def _all_reduce_max(values: list[float], group: Any, device: torch.device) -> list[float]:
-    if not values:
-        return []
+    if not values or _alone(group):
+        return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
