@@ -37,12 +37,13 @@ BEST: dict[str, dict[str, Any]] = {
     "tiny": {
         "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
         "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.attn_implementation eager "
-        "--vllm.enforce_eager false --actor.model.compile true --rollout.logprobs false",
+        "--vllm.enforce_eager false --actor.model.compile true --rollout.logprobs false "
+        "--rollout.seed_per_sample false",
     },
     "small": {
         "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
         "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.compile true "
-        "--actor.model.attn_implementation eager --rollout.logprobs false",
+        "--actor.model.attn_implementation eager --rollout.logprobs false --rollout.seed_per_sample false",
     },
 }
 """Each framework's fastest setting per model on the 2-core machines (median s/step of 8 steps, one run each
@@ -56,7 +57,9 @@ the learner's per-step Python overhead had been cut, 0.350-0.378 s against 0.416
 alternating runs, two each; it adds about a minute of start-up on a cold cache); at 23M: bf16 + compile + eager 1.3-1.4 s. Both
 with ZeRO stage 0: one learner rank has nothing to shard, and ZeRO-2's step bookkeeping cost 0.3 s at 23M.
 `--rollout.logprobs false`: TRL's generation on CPU (transformers `generate`) computes no log-probs of
-its own either (at 0.4M, 0.244-0.250 s against 0.266-0.268, alternating runs, 2026-12-05)."""
+its own either (at 0.4M, 0.244-0.250 s against 0.266-0.268, alternating runs, 2026-12-05).
+`--rollout.seed_per_sample false`: one seed per engine call, as TRL's generation (one generator) has (at
+0.4M, generation 0.140 / 0.138 s against 0.153 / 0.146, alternating runs, 2026-12-05)."""
 
 OURS_FLAGS: list[str] = []
 """Extra `rlhf ppo` flags of the worker (--ours-flags)."""

@@ -430,6 +430,29 @@ def test_reward_files_that_cannot_be_loaded_are_named(tmp_path, body, expected):
     assert expected.format(path=path) in one_line(str(err.value))
 
 
+def test_a_call_seed_is_refused_for_an_agent_files_overlapping_episodes(tmp_path):
+    """``--rollout.seed_per_sample false`` seeds each engine call: an agent file whose environments make
+    calls per episode (they overlap) is refused before anything starts; one that only scores is not."""
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.sources import executor_factory
+
+    def factory(body: str):
+        agent = tmp_path / "agent.py"
+        agent.write_text(body)
+        flags = ["--actor.pretrain", str(tmp_path), "--data.path", str(tmp_path / "p.jsonl")]
+        flags += ["--train.agent_func_path", str(agent), "--rollout.seed_per_sample", "false"]
+        return executor_factory(build_config(PPOConfig, flags), tokenizer=WordTokenizer())
+
+    with pytest.raises(ValueError) as err:
+        factory("def make_env(label):\n    return None\n")
+    assert f"--rollout.seed_per_sample false seeds each engine call, but {tmp_path / 'agent.py'}" in one_line(
+        str(err.value)
+    )
+    assert not factory(
+        "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n"
+    ).per_episode
+
+
 QUERIES = ["q0", "q1", "q2"]
 
 

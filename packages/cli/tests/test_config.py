@@ -74,6 +74,14 @@ def test_dotted_flags_fill_the_tree_with_types():
         (["--algo.kl.coef", "0.1"], "the reference would be the untrained model"),
         (["--rollout.top_p", "0.9", "--algo.is_correction.mode", "tis"], "no importance weight"),
         (["--rollout.logprobs", "false", "--algo.is_correction.mode", "tis"], "--rollout.logprobs is false"),
+        (
+            ["--rollout.seed_per_sample", "false", "--train.async.max_staleness", "1"],
+            "--rollout.seed_per_sample false seeds each engine call",
+        ),
+        (
+            ["--rollout.seed_per_sample", "false", "--vllm.tensor_parallel_size", "2"],
+            "--vllm.tensor_parallel_size > 1 puts its workers in others",
+        ),
         (["--train.agent_func_path", "a.py", "--reward.func", "r.py"], "the agent file is the reward source"),
         (["--algo.loss_agg", "seq-mean-token-sum-norm"], "add --train.packing false"),
         (

@@ -731,13 +731,11 @@ def test_dapo_drops_uniform_groups_and_samples_more_prompts():
         p = c["params"]
         assert p.n == 2 and p.max_new_tokens == cfg.rollout.max_new_tokens
         assert p.seed == cfg.train.seed + 100_003 * 5 + 7_919 * k
-        assert p.logprobs is True
-    skipping = dapo_cfg("--rollout.logprobs", "false")
+        assert p.logprobs is True and p.seed_per_sample is True
+    skipping = dapo_cfg("--rollout.logprobs", "false", "--rollout.seed_per_sample", "false")
     rewards = RewardStage(skipping, reward_model=None)
-    assert (
-        RolloutStage(skipping, make_executor=ex, prompts=prompts, rewards=rewards).params(5, 1).logprobs
-        is False
-    )
+    params = RolloutStage(skipping, make_executor=ex, prompts=prompts, rewards=rewards).params(5, 1)
+    assert params.logprobs is False and params.seed_per_sample is False
     m = batch.metrics()
     assert m["filter/rounds"] == 2.0 and m["filter/refilled_with_dropped_groups"] == 0.0
     assert m["extra/round"] == pytest.approx(1.5)  # over the batch's trajectories: 4 of round 1, 4 of round 2

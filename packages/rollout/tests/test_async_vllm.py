@@ -84,3 +84,14 @@ def test_update_mid_generation_gives_two_spans_and_the_new_weights_continue(loop
     assert final.token_ids[k:] == tail.token_ids[: n - k]  # the new weights, on prompt + head, the tail
     assert final.token_ids != before.token_ids  # the update changed what was generated
     assert tail.weight_versions == (VersionSpan(1, 0, len(tail.token_ids)),)
+
+
+def test_a_call_seed_is_refused_where_calls_overlap(loop, engine):
+    """The asynchronous engine's calls share its sampler while they run: ``seed_per_sample=False`` would
+    give no reproducible tokens, so it is refused (a seed per sample is what it supports)."""
+    p = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3, seed_per_sample=False)
+    with pytest.raises(ValueError, match="seed_per_sample=False: the asynchronous engine"):
+        loop.run_until_complete(engine.generate([PROMPT], p))
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=4, seed_per_sample=False)  # nothing to seed
+    (row,) = loop.run_until_complete(engine.generate([PROMPT], unseeded))
+    assert len(row[0].token_ids) > 0

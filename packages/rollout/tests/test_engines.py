@@ -33,6 +33,20 @@ def test_same_seed_same_tokens_other_seed_differs(engine):
     assert [[g.token_ids for g in row] for row in a] != [[g.token_ids for g in row] for row in c]
 
 
+def test_a_call_seeded_once_is_reproduced_by_its_seed_alone(engine):
+    """``seed_per_sample=False``: the sampler is seeded for each call, so a call with an earlier seed
+    repeats that call's tokens after other calls have drawn from the sampler (not seeding each call would
+    leave its generator wherever the calls between left it)."""
+
+    def call(seed: int) -> list:
+        p = SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=seed, seed_per_sample=False)
+        return [[g.token_ids for g in row] for row in engine.generate(PROMPTS, p)]
+
+    first, other, again = call(11), call(12), call(11)
+    assert first == again
+    assert first != other
+
+
 @pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 0), (1.3, 0), (0.9, 16)])
 def test_logprobs_match_transformers_recomputation(engine, engine_name, hf_model, temperature, top_k):
     p = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=32, n=2, seed=5)

@@ -78,6 +78,11 @@ class AsyncVLLMEngine(VLLMOptions):
         from vllm.inputs import TokensPrompt
 
         check_prompts([prompt], max_model_len=self._max_model_len, vocab_size=self._vocab_size)
+        if params.seed is not None and not params.seed_per_sample:
+            raise ValueError(
+                "seed_per_sample=False: the asynchronous engine's calls overlap, so none can seed the "
+                "sampler for itself; seed each sample (seed_per_sample=True)"
+            )
         if not self._labelled:
             await self._label(0)
         request = TokensPrompt(prompt_token_ids=list(prompt))

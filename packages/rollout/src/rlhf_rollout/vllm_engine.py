@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rlhf_rollout.engine import (
     EngineCapabilities,
     UnsupportedOperationError,
@@ -115,6 +117,7 @@ class VLLMEngine(VLLMOptions):
 
         self._llm = vllm.LLM(**kwargs)
         self._vllm = vllm
+        self._worker_here = _worker_in_process(self._llm)
         return self._llm.llm_engine.model_config
 
     @property
@@ -126,6 +129,13 @@ class VLLMEngine(VLLMOptions):
         check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
         from vllm.inputs import TokensPrompt
 
+        if params.seed is not None and not params.seed_per_sample:
+            if not self._worker_here:
+                raise ValueError(
+                    "seed_per_sample=False: this engine's worker runs in another process, so its sampler "
+                    "cannot be seeded for the call (set VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
+                )
+            torch.manual_seed(params.seed)  # the worker's sampler draws from the default generators
         sampling = [vllm_sampling_params(params, i) for i in range(len(prompts))]
         outputs = self._llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False
@@ -216,16 +226,29 @@ class VLLMEngine(VLLMOptions):
             del llm
 
 
+def _worker_in_process(llm: Any) -> bool:
+    """Whether ``llm``'s one worker runs in this process (engine core in process, uni-process executor):
+    its sampler then draws from this process's default torch generators."""
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    client = getattr(llm.llm_engine, "engine_core", None)
+    if not isinstance(client, InprocClient):
+        return False
+    return isinstance(getattr(client.engine_core, "model_executor", None), UniProcExecutor)
+
+
 def vllm_sampling_params(params: SamplingParams, prompt_index: int, *, final_only: bool = False):
     """vLLM's ``SamplingParams`` for prompt ``prompt_index`` of a call: one request per prompt; with a
-    fixed seed vLLM gives sample ``j`` the seed ``seed + prompt_index * n + j``. ``final_only``: an async
-    engine yields the ``n`` finished samples once, not every step's progress."""
+    fixed seed (``seed_per_sample``) vLLM gives sample ``j`` the seed ``seed + prompt_index * n + j``.
+    ``final_only``: an async engine yields the ``n`` finished samples once, not every step's progress."""
     import vllm
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
 
-    seed = None if params.seed is None else params.seed + prompt_index * params.n
+    per_sample = params.seed is not None and params.seed_per_sample
+    seed = params.seed + prompt_index * params.n if per_sample else None
     return vllm.SamplingParams(
         n=params.n,
         temperature=params.temperature,

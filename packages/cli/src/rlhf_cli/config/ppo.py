@@ -182,6 +182,17 @@ class PPOConfig(Section):
             raise ValueError(
                 "--algo.is_correction needs the engines' log-probs, but --rollout.logprobs is false"
             )
+        if not self.rollout.seed_per_sample and self.rollout.backend == "vllm":
+            if self.train.async_.enabled:
+                raise ValueError(
+                    "--rollout.seed_per_sample false seeds each engine call, but --train.async.max_staleness "
+                    "runs calls that overlap: keep it true"
+                )
+            if self.vllm.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--rollout.seed_per_sample false seeds an engine's sampler in its own process, but "
+                    "--vllm.tensor_parallel_size > 1 puts its workers in others: keep it true"
+                )
         if self.algo.is_correction.low >= self.algo.is_correction.high:
             raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
         if self.algo.dynamic_filtering.low >= self.algo.dynamic_filtering.high:

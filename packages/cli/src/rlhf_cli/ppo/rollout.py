@@ -81,6 +81,7 @@ class RolloutStage:
             max_new_tokens=r.max_new_tokens,
             n=r.n_samples_per_prompt,
             seed=self.cfg.train.seed + 100_003 * step + 7_919 * round_,
+            seed_per_sample=r.seed_per_sample,
             logprobs=r.logprobs,
         )
 

@@ -123,6 +123,16 @@ class _PlainFactory:
 def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
     """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
     before anything starts. Register the result's ``close`` to run when the run ends."""
+    factory = _factory(cfg, tokenizer)
+    if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.backend == "vllm":
+        raise ValueError(
+            f"--rollout.seed_per_sample false seeds each engine call, but {cfg.train.agent_func_path} makes "
+            "calls per episode that overlap: keep it true"
+        )
+    return factory
+
+
+def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
     path = cfg.train.agent_func_path
     agent = load_agent_file(path) if path is not None else None
     if agent is not None and callable(getattr(agent, AGENT_FUNC, None)):
