@@ -443,11 +443,14 @@ def test_a_call_seed_is_refused_for_an_agent_files_overlapping_episodes(tmp_path
         flags += ["--train.agent_func_path", str(agent), "--rollout.seed_per_sample", "false"]
         return executor_factory(build_config(PPOConfig, flags), tokenizer=WordTokenizer())
 
-    with pytest.raises(ValueError) as err:
-        factory("def make_env(label):\n    return None\n")
-    assert f"--rollout.seed_per_sample false seeds each engine call, but {tmp_path / 'agent.py'}" in one_line(
-        str(err.value)
-    )
+    refused = f"--rollout.seed_per_sample false seeds each engine call, but {tmp_path / 'agent.py'}"
+    for body in (
+        "def make_env(label):\n    return None\n",
+        "async def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n",
+    ):
+        with pytest.raises(ValueError) as err:
+            factory(body)
+        assert refused in one_line(str(err.value))
     assert not factory(
         "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n"
     ).per_episode

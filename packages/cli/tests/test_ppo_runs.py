@@ -306,9 +306,7 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
     """(Also: the split run is colocated (the hybrid engine's placement: actor and engines on one
     placement group's bundles, the memory schedule reporting that CPU engines cannot sleep), and the
     producer thread of asynchronous training at max staleness 0, placed apart, gives its history and final
-    weights bit for bit.) With PPO mini-batches (their shuffle is seeded by the step), and the engine's
-    sampler seeded per call (``--rollout.seed_per_sample false``: the resumed run samples what the whole
-    one did). (A learning-rate schedule's state is
+    weights bit for bit.) With PPO mini-batches (their shuffle is seeded by the step). (A learning-rate schedule's state is
     in the checkpoint too: rlhf-learner's test_lr_schedule.py resumes one exactly; a run with a schedule
     may not change its length on resume: test_checkpoint_rules.py.)"""
     common = [
@@ -320,8 +318,6 @@ def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one
         "--ckpt.save_steps",
         "2",
         "--logger.tensorboard",
-        "false",
-        "--rollout.seed_per_sample",
         "false",
     ]
     whole = ppo(tmp_path / "whole", one_engine, *common, "--train.num_steps", "4", "--ckpt.max_keep", "1")

@@ -66,3 +66,19 @@ def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
     g3 = _logprobs(vllm_client)
     assert g3.token_ids == g.token_ids
     torch.testing.assert_close(torch.tensor(g3.logprobs), torch.tensor(g.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_call_seeded_engine_sends_no_request_seeds_and_refuses_a_worker_elsewhere():
+    """``seed_per_sample=False``: the requests carry no seeds (the engine seeds its sampler for the call);
+    an engine whose worker runs in another process says it cannot, before vLLM is asked anything."""
+    from rlhf_rollout import VLLMEngine
+    from rlhf_rollout.vllm_engine import vllm_sampling_params
+
+    p = SamplingParams(n=2, seed=5, seed_per_sample=False)
+    assert vllm_sampling_params(p, 3, seeded=False).seed is None
+    assert vllm_sampling_params(p, 3).seed == 5 + 3 * 2  # what a V2 model runner gets: seeds per sample
+    elsewhere = object.__new__(VLLMEngine)  # its start-up found the worker in another process
+    elsewhere._max_model_len, elsewhere._vocab_size = 64, 100
+    elsewhere._worker_here, elsewhere._v2_runner = False, False
+    with pytest.raises(ValueError, match="this engine's worker runs in another process"):
+        elsewhere.generate([[1, 2, 3]], p)

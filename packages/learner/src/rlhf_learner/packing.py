@@ -51,7 +51,7 @@ def _same(out: torch.Tensor) -> torch.Tensor:
 
 def _one_row(input_ids: torch.Tensor, position_ids: torch.Tensor):
     rows, width = input_ids.shape
-    if rows == 1:
+    if rows == 1 or bool((position_ids[:, 0] != 0).any()):  # one row, or rows not of whole sequences
         return input_ids, position_ids, _same
     back = lambda out: out.reshape(rows, width, *out.shape[2:])  # noqa: E731
     return input_ids.reshape(1, rows * width), position_ids.reshape(1, rows * width), back

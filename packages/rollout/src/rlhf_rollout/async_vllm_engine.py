@@ -47,6 +47,7 @@ class AsyncVLLMEngine(VLLMOptions):
         self._ids = itertools.count()
         self._labelled = False  # the weights read at start-up are labelled version 0 on first use
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._v2_runner = bool(getattr(self._llm.vllm_config, "use_v2_model_runner", False))
         return self._llm.model_config
 
     async def generate(
@@ -78,11 +79,11 @@ class AsyncVLLMEngine(VLLMOptions):
         from vllm.inputs import TokensPrompt
 
         check_prompts([prompt], max_model_len=self._max_model_len, vocab_size=self._vocab_size)
-        if params.seed is not None and not params.seed_per_sample:
+        if params.seed is not None and not params.seed_per_sample and not self._v2_runner:
             raise ValueError(
                 "seed_per_sample=False: the asynchronous engine's calls overlap, so none can seed the "
                 "sampler for itself; seed each sample (seed_per_sample=True)"
-            )
+            )  # (vLLM's V2 model runner seeds each sample at no cost: it does so)
         if not self._labelled:
             await self._label(0)
         request = TokensPrompt(prompt_token_ids=list(prompt))

@@ -39,11 +39,15 @@ class SamplingParams:
     one generator for the call, so the same prompts in the same call give the same tokens)."""
     seed_per_sample: bool = True
     """With a ``seed``, vLLM engines seed each sample (as ``seed`` says). ``False``: the synchronous vLLM
-    engine seeds its sampler once for the call instead (as the transformers engine does; the same prompts
-    in the same call give the same tokens), which spares vLLM drawing each seeded sample's noise one
-    request at a time (at 0.4M on one CPU core, 0.153 / 0.146 s of generation a step against 0.140 /
-    0.138). It needs the engine's worker in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
-    worker); the asynchronous engine, whose calls overlap, refuses it."""
+    engine seeds its sampler once for the call instead, as the transformers engine does: the same prompts
+    in the same call give the same tokens on an engine of the same settings whose prefix cache holds the
+    same (vLLM's noise is drawn per step and batch row, so the tokens depend on how the call is
+    scheduled). It spares vLLM drawing each seeded request's noise one request at a time (``rlhf ppo`` at
+    0.4M on 2 CPU cores: generation 0.153 / 0.146 s a step against 0.140 / 0.138). It needs the engine's
+    worker in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker); the caller's
+    random state is left as it was. The asynchronous engine, whose calls overlap, refuses it. vLLM's V2
+    model runner (GPU, with Triton) draws seeded requests' noise in one kernel: there each sample stays
+    seeded."""
     n: int = 1
     """Samples per prompt."""
     ignore_eos: bool = False

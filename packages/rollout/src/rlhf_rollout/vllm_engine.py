@@ -118,6 +118,7 @@ class VLLMEngine(VLLMOptions):
         self._llm = vllm.LLM(**kwargs)
         self._vllm = vllm
         self._worker_here = _worker_in_process(self._llm)
+        self._v2_runner = bool(getattr(self._llm.llm_engine.vllm_config, "use_v2_model_runner", False))
         return self._llm.llm_engine.model_config
 
     @property
@@ -129,17 +130,19 @@ class VLLMEngine(VLLMOptions):
         check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
         from vllm.inputs import TokensPrompt
 
-        if params.seed is not None and not params.seed_per_sample:
-            if not self._worker_here:
-                raise ValueError(
-                    "seed_per_sample=False: this engine's worker runs in another process, so its sampler "
-                    "cannot be seeded for the call (set VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
-                )
-            torch.manual_seed(params.seed)  # the worker's sampler draws from the default generators
-        sampling = [vllm_sampling_params(params, i) for i in range(len(prompts))]
-        outputs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False
-        )
+        # vLLM's V2 model runner draws seeded requests' noise in one kernel: they stay seeded per sample.
+        per_call = params.seed is not None and not params.seed_per_sample and not self._v2_runner
+        if per_call and not self._worker_here:
+            raise ValueError(
+                "seed_per_sample=False: this engine's worker runs in another process, so its sampler "
+                "cannot be seeded for the call (set VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
+            )
+        sampling = [vllm_sampling_params(params, i, seeded=not per_call) for i in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()), enabled=per_call):
+            if per_call:  # V1's sampler draws from this process's default generators: the caller's stay
+                torch.manual_seed(params.seed)
+            outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         return [[to_generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
 
     # --- weight updates: forwarded by name to the worker extension -------------------------------------
@@ -238,17 +241,19 @@ def _worker_in_process(llm: Any) -> bool:
     return isinstance(getattr(client.engine_core, "model_executor", None), UniProcExecutor)
 
 
-def vllm_sampling_params(params: SamplingParams, prompt_index: int, *, final_only: bool = False):
+def vllm_sampling_params(
+    params: SamplingParams, prompt_index: int, *, final_only: bool = False, seeded: bool = True
+):
     """vLLM's ``SamplingParams`` for prompt ``prompt_index`` of a call: one request per prompt; with a
-    fixed seed (``seed_per_sample``) vLLM gives sample ``j`` the seed ``seed + prompt_index * n + j``.
-    ``final_only``: an async engine yields the ``n`` finished samples once, not every step's progress."""
+    fixed seed (and ``seeded``: not when the engine seeds the call) vLLM gives sample ``j`` the seed
+    ``seed + prompt_index * n + j``. ``final_only``: an async engine yields the ``n`` finished samples
+    once, not every step's progress."""
     import vllm
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
 
-    per_sample = params.seed is not None and params.seed_per_sample
-    seed = params.seed + prompt_index * params.n if per_sample else None
+    seed = params.seed + prompt_index * params.n if params.seed is not None and seeded else None
     return vllm.SamplingParams(
         n=params.n,
         temperature=params.temperature,

@@ -32,9 +32,10 @@ class RolloutConfig(Section):
     0.151 s a step)."""
     seed_per_sample: bool = True
     """How the run's seed reaches a vLLM engine: each sample seeded (true: the same samples however the
-    batch is split over engines), or the engine's sampler seeded once per call (false: still reproducible,
-    resumed runs included, and cheaper: at 0.4M on 2 CPU cores generation went from 0.153 / 0.146 to
-    0.140 / 0.138 s a step). false needs synchronous engines of one worker each: not with
+    batch is split over engines), or the engine's sampler seeded once per call (false: reproducible with
+    the same engines and settings, resumed runs included, and cheaper: at 0.4M on 2 CPU cores generation
+    went from 0.153 / 0.146 to 0.140 / 0.138 s a step; vLLM's V2 model runner on GPUs seeds each sample
+    at no cost and keeps doing so). false needs synchronous engines of one worker each: not with
     --train.async.max_staleness, --vllm.tensor_parallel_size > 1, or an agent file's environments or
     run_agent."""
 

@@ -41,6 +41,9 @@ def _per_token(
     return logp, entropy_from_logits(z, temperature=temperature) if entropy else None
 
 
+_compiled_per_token = torch.compile(_per_token, dynamic=True)  # compiled at its first call
+
+
 class ActorOutput(NamedTuple):
     logp: torch.Tensor
     """``[B, T]``: ``log pi(x_t | x_<t)`` of each input token; 0 where no prediction exists
@@ -107,7 +110,9 @@ class Actor(nn.Module):
     """A causal LM that returns per-token log-probs (and optionally entropies) of its input tokens.
 
     Inputs are either padded rows (``attention_mask``) or packed rows (``position_ids`` restarting at
-    0 for each sequence and no ``attention_mask``; see :mod:`rlhf_learner.packing`).
+    0 for each sequence and no ``attention_mask``; see :mod:`rlhf_learner.packing`). The per-token
+    values are computed in the layout the attention kernel was given (``for_kernel``), compiled with
+    ``compile``, and put back as ``[B, T]``.
 
     With ``sequence_parallel_group`` every rank of that group gets the same full rows, computes its
     contiguous chunk of the sequence with ring attention (:mod:`rlhf_learner.ring_attention`), and the
@@ -131,9 +136,9 @@ class Actor(nn.Module):
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
         self.temperature = temperature
-        self._per_token = torch.compile(_per_token, dynamic=True) if compile else _per_token
-        """The log-probs (and entropies) from the logits; with ``compile`` one fused kernel each way (pass
-        the model's ``ModelOptions.compile``: the logits then come from compiled code too)."""
+        self.compile_head = compile
+        """Compute the log-probs (and entropies) from the logits in compiled code, fused each way (pass the
+        model's ``ModelOptions.compile``: the logits then come from compiled code too)."""
         self.sp_group = sequence_parallel_group
         if sequence_parallel_group is not None:
             from rlhf_learner.ring_attention import use_ring_attention
@@ -176,7 +181,8 @@ class Actor(nn.Module):
         )
         # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
         # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.
-        lp, ent = self._per_token(out.logits, ids, self.temperature, entropy=return_entropy)
+        head = _compiled_per_token if self.compile_head else _per_token
+        lp, ent = head(out.logits, ids, self.temperature, entropy=return_entropy)
         starts = pos if packed is not None else None
         logp = back(shift_to_inputs(lp, starts))
         entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
