@@ -4,7 +4,7 @@ Importing it sets ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`` in ``os.environ`` unless s
 when first imported, and with it on, a driver started by ``uv run`` makes every Ray worker rebuild the
 project's environment with ``uv run`` in a copy of the working directory (without the extras: no vLLM).
 It also sets how long idle OpenMP threads spin (``runtime.openmp``), for this process and the Ray
-processes it starts.
+processes it starts, and glibc's malloc to keep freed memory (``runtime.malloc``), for the Ray processes.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from types import ModuleType
 from typing import Annotated, Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # before anything imports Ray
-from rlhf_cli.runtime.openmp import openmp_env  # imports nothing heavy
+from rlhf_cli.runtime.malloc import malloc_env  # imports nothing heavy
+from rlhf_cli.runtime.openmp import openmp_env
 
 os.environ.update(openmp_env(os.environ))  # before torch loads libgomp; the Ray processes we start inherit it
+os.environ.update(malloc_env(os.environ))  # read when a process starts: Ray's, not this one
 
 import typer
 

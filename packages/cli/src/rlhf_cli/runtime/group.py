@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from rlhf_cli.runtime.failures import Stops, get_all, raise_a_death_among
 from rlhf_cli.runtime.late_reference import LateReference, PendingScores
+from rlhf_cli.runtime.malloc import MALLOC_SETTINGS, malloc_env
 from rlhf_cli.runtime.openmp import openmp_env
 from rlhf_cli.runtime.specs import (
     DPOSettings,
@@ -320,8 +321,9 @@ def _bundle_of(pgs: PlacementGroups, name: str, host: GroupPlan, rank: int) -> i
 
 
 def worker_env() -> dict[str, str]:
-    """Environment for learner ranks and engines: this driver's thread settings where it has them, else
-    how long their idle OpenMP threads spin (``runtime.openmp``; a cluster joined with ``--ray.address``
-    does not pass on the driver's environment)."""
-    keep = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TORCH_CPP_LOG_LEVEL")
-    return openmp_env(os.environ) | {k: os.environ[k] for k in keep if k in os.environ}
+    """Environment for learner ranks and engines: this driver's thread and malloc settings where it has
+    them, else how long their idle OpenMP threads spin (``runtime.openmp``) and malloc keeping freed memory
+    (``runtime.malloc``; a cluster joined with ``--ray.address`` does not pass on the driver's environment)."""
+    keep = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TORCH_CPP_LOG_LEVEL", *MALLOC_SETTINGS)
+    defaults = openmp_env(os.environ) | malloc_env(os.environ)
+    return defaults | {k: os.environ[k] for k in keep if k in os.environ}

@@ -1,0 +1,40 @@
+"""glibc malloc settings for a run's processes: keep freed memory for reuse instead of handing it back to
+the kernel. Imports nothing heavy: the CLI sets them in its environment before it starts Ray, whose
+processes read them once, when they start.
+
+torch's CPU allocator takes every tensor from malloc. With glibc's defaults a block over the mmap
+threshold (at most 32 MiB) is its own mapping, unmapped when freed, and the heap's free top is given back
+past the trim threshold; each training step or weight sync then writes its activations, gradients and
+buffers into fresh pages, and every new page is a page fault. Intel's and torch's CPU tuning guides use
+jemalloc or tcmalloc set never to release memory; these two variables do the same with glibc. A 23M
+model's forward, backward and AdamW step on 2 threads, outside Ray, three alternating pairs: 0.478 /
+0.492 / 0.496 s against 0.456 / 0.528 / 0.551 (medians 0.492 and 0.528; this machine's noise is of that
+size), 17k page faults a step against 30-70k. In a 23M GRPO run, per step: the actor's rank 5k faults
+against 20k, the reference's 1.6k against 17k, the engine's 40 against 500 (the step within noise)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["MALLOC_SETTINGS", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "malloc_env"]
+
+MMAP_THRESHOLD = 1 << 30
+"""``MALLOC_MMAP_THRESHOLD_``: blocks below 1 GiB come from the heap and are reused once freed."""
+TRIM_THRESHOLD = 1 << 34
+"""``MALLOC_TRIM_THRESHOLD_``: free memory at the heap's top is kept up to 16 GiB (a process keeps its
+peak; it reaches that peak every step anyway)."""
+
+_GLIBC_MALLOC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+MALLOC_SETTINGS = (*_GLIBC_MALLOC, "GLIBC_TUNABLES")
+"""The variables by which a user tunes glibc's malloc (passed on to a run's processes as they are)."""
+
+
+def malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to ``environ`` for a run's processes, unless it already tunes malloc (one of
+    glibc's ``MALLOC_*_`` variables, ``glibc.malloc`` tunables, or another allocator preloaded): the
+    user's settings win."""
+    if any(k in environ for k in _GLIBC_MALLOC) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    if "malloc" in environ.get("LD_PRELOAD", ""):  # jemalloc / tcmalloc: tuned by their own variables
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
