@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from rlhf_cli.runtime import malloc
 from rlhf_cli.runtime.group import worker_env
 from rlhf_cli.runtime.malloc import MALLOC_SETTINGS, MMAP_THRESHOLD, TRIM_THRESHOLD, malloc_env
 
@@ -32,7 +33,17 @@ def test_ranks_and_engines_get_it_unless_the_user_tunes_malloc(plain_env):
     assert malloc_env({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}) == {}
     plain_env.delenv("MALLOC_TRIM_THRESHOLD_")
     plain_env.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096")
-    assert worker_env()["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=4096"
+    env = worker_env()
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=4096" and "MALLOC_MMAP_THRESHOLD_" not in env
+    plain_env.delenv("GLIBC_TUNABLES")
+    plain_env.setenv("MALLOC_ARENA_MAX", "2")  # not a threshold: ours too, and the user's passed on
+    assert worker_env().items() >= (OURS | {"MALLOC_ARENA_MAX": "2"}).items()
+
+
+@pytest.mark.parametrize(("version", "set_"), [((2, 34), False), ((2, 35), True), (None, False)])
+def test_left_out_where_glibc_would_ignore_a_threshold_over_32_mib(plain_env, version, set_):
+    plain_env.setattr(malloc, "glibc_version", lambda: version)  # before 2.35 it caps the threshold
+    assert malloc_env({}) == (OURS if set_ else {})
 
 
 def test_the_command_sets_it_for_the_processes_it_starts(plain_env):
@@ -46,6 +57,7 @@ def test_the_command_sets_it_for_the_processes_it_starts(plain_env):
 _FAULTS = """
 import ctypes, resource
 libc = ctypes.CDLL("libc.so.6")
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the machine's huge-page setting
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):  # a step's 40 MB of activations: allocated, written, freed
