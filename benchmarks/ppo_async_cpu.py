@@ -147,7 +147,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="small", choices=sorted(work.MODELS))
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--flags", default="--ds.precision bf16", help="extra rlhf ppo flags for every mode")
+    p.add_argument(
+        "--flags",
+        default="auto",
+        help="extra rlhf ppo flags for every mode; auto: --ds.precision bf16 where this CPU's bf16 is fast",
+    )
     p.add_argument("--modes", default=",".join(list(MODES)[:4]))
     p.add_argument("--png", default="ppo_async.png")
     p.add_argument("--worker", choices=tuple(MODES))
@@ -155,6 +159,8 @@ def main() -> None:
     p.add_argument("--root")
     _summary.add_argument(p)
     a = p.parse_args()
+    if a.flags == "auto":
+        a.flags = f"--ds.precision {work.cpu_precision()}"
     if a.worker:
         result = run_mode(a.model, a.worker, Path(a.root), a.steps, a.flags.split())
         Path(a.out).write_text(json.dumps(result))

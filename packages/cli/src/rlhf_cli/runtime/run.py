@@ -31,6 +31,7 @@ from rlhf_cli.runtime.checkpoint import (
 from rlhf_cli.runtime.cluster import ClusterResources, local_resources, start_ray
 from rlhf_cli.runtime.model_sizes import ModelSizes, model_sizes
 from rlhf_cli.runtime.placement import Plan
+from rlhf_cli.runtime.precision import slow_bf16_note
 from rlhf_cli.runtime.session import RunSession, run_session
 from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker
 
@@ -81,7 +82,10 @@ def _joins_cluster(cfg: PPOConfig | OfflineConfig) -> bool:
 def dry_run_plan(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None, plan_for: PlanFn) -> Plan:
     """``--dry-run``: the plan against the local machine, or the joined cluster's resources."""
     resources = start_ray(cfg)[0] if _joins_cluster(cfg) else local_resources(cfg)
-    return plan_for(resources, _sizes(cfg, pretrain))
+    plan = plan_for(resources, _sizes(cfg, pretrain))
+    note = None if _joins_cluster(cfg) else slow_bf16_note(cfg, gpus=resources.gpus)
+    plan.notes.extend([note] if note else [])
+    return plan
 
 
 @dataclass(kw_only=True)
@@ -227,7 +231,11 @@ def prepare_run(
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     model_dir = resolve_model(pretrain, run_dir)
     if not _joins_cluster(cfg):
-        plan_for(local_resources(cfg), model_sizes(cfg, model_dir))  # a plan that cannot fit fails first
+        resources = local_resources(cfg)
+        plan_for(resources, model_sizes(cfg, model_dir))  # a plan that cannot fit fails first
+        note = slow_bf16_note(cfg, gpus=resources.gpus)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
     return RunSetup(
         cfg=cfg,
         run_dir=run_dir,
