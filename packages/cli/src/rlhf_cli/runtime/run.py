@@ -81,9 +81,10 @@ def _joins_cluster(cfg: PPOConfig | OfflineConfig) -> bool:
 
 def dry_run_plan(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None, plan_for: PlanFn) -> Plan:
     """``--dry-run``: the plan against the local machine, or the joined cluster's resources."""
-    resources = start_ray(cfg)[0] if _joins_cluster(cfg) else local_resources(cfg)
+    joins = _joins_cluster(cfg)
+    resources = start_ray(cfg)[0] if joins else local_resources(cfg)
     plan = plan_for(resources, _sizes(cfg, pretrain))
-    note = None if _joins_cluster(cfg) else slow_bf16_note(cfg, gpus=resources.gpus)
+    note = None if joins else slow_bf16_note(cfg, gpus=resources.gpus)  # other nodes, other CPUs
     plan.notes.extend([note] if note else [])
     return plan
 
