@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,20 +223,27 @@ def start_components(
     asynchronous: bool = False,
     resume_from: Path | None = None,
 ) -> Components:
-    """Start every learner group, then (while they set up) the engines unless ``engines`` are given,
-    then join the weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
+    """Start the engines (unless ``engines`` are given) and every learner group at once, then join the
+    weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
     concurrent calls and serve pauses and weight updates while generating. ``resume_from``: the
     checkpoint the run resumes (its groups keep the ZeRO stage it was written with)."""
     path = str(model_dir)
-    groups = launch_groups(
-        _specs(cfg, plan, path, resume_from),
-        plan,
-        pgs,
-        timeout_s=cfg.ray.timeout_s,
-        stop_at_exit=stop_at_exit,
-    )
-    if engines is None:
-        engines = _start_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)
+    # The engines start in a thread while the groups' ranks start: each side spends its start-up
+    # importing its libraries, and neither waits for the other. Leaving the block waits for the thread,
+    # so the engines' stops are registered before a failed start-up is cleaned up.
+    with ThreadPoolExecutor(1, thread_name_prefix="start-engines") as pool:
+        starting = None
+        if engines is None:
+            starting = pool.submit(_start_engines, cfg, plan, pgs, path, stop_at_exit, asynchronous)
+        groups = launch_groups(
+            _specs(cfg, plan, path, resume_from),
+            plan,
+            pgs,
+            timeout_s=cfg.ray.timeout_s,
+            stop_at_exit=stop_at_exit,
+        )
+        if starting is not None:
+            engines = starting.result()
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(

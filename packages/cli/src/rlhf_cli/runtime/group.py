@@ -291,9 +291,10 @@ def launch_groups(
     timeout_s: float,
     stop_at_exit: Stops,
 ) -> dict[str, LearnerGroup]:
-    """Create each group's ranks on its placement group and start their set-up, all groups in parallel
-    (``wait_setup`` collects them, so other work, e.g. starting engines, overlaps it). Each group's stop
-    is registered with ``stop_at_exit`` the moment it is created."""
+    """Create every group's ranks on its placement group, then start their set-up, all groups in parallel
+    (``wait_setup`` collects them, so other work, e.g. starting engines, overlaps it): no group's ranks
+    wait for another's to start. Each group's stop is registered with ``stop_at_exit`` the moment it is
+    created."""
     groups: dict[str, LearnerGroup] = {}
     for name, spec in specs.items():
         bundle = plan.group(name).bundle
@@ -311,7 +312,8 @@ def launch_groups(
             env_vars=env | worker_env(),  # a thread count the user exported wins
         )
         stop_at_exit(groups[name].shutdown, actors=groups[name].actor_names(name))
-        groups[name].start_setup()
+    for g in groups.values():
+        g.start_setup()
     return groups
 
 

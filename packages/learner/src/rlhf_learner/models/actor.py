@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -41,7 +42,11 @@ def _per_token(
     return logp, entropy_from_logits(z, temperature=temperature) if entropy else None
 
 
-_compiled_per_token = torch.compile(_per_token, dynamic=True)  # compiled at its first call
+@functools.cache
+def _compiled_per_token() -> Any:
+    """``_per_token`` compiled (at its first call); made on first use: ``torch.compile`` imports the
+    compiler, seconds that a process without a compiled model need not pay."""
+    return torch.compile(_per_token, dynamic=True)
 
 
 class ActorOutput(NamedTuple):
@@ -181,7 +186,7 @@ class Actor(nn.Module):
         )
         # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
         # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.
-        head = _compiled_per_token if self.compile_head else _per_token
+        head = _compiled_per_token() if self.compile_head else _per_token
         lp, ent = head(out.logits, ids, self.temperature, entropy=return_entropy)
         starts = pos if packed is not None else None
         logp = back(shift_to_inputs(lp, starts))
