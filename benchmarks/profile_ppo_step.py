@@ -7,8 +7,9 @@ The work is `e2e_grpo_vs_trl.py`'s (`_grpo_work.py`): GRPO with a k3 KL loss, 8 
 <= 64 new tokens. `rlhf ppo` runs as a user runs it (its own process); this script reads the stage times
 each step logs (`time/*` in metrics.jsonl) and samples every core's busy time between steps (psutil).
 Medians of steps 2..N. `overhead` is the step's time outside the stages (Ray calls, data, logging);
-`idle` is the core-seconds no process used, per step. `--write-readme` puts the table in
-benchmarks/README.md (between the profile markers).
+`idle` is the core-seconds no process used, per step; `to step 1` is the start-up and the first step: the
+seconds from the command to step 1's record, and the core-seconds every process used meanwhile.
+`--write-readme` puts the table in benchmarks/README.md (between the profile markers).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def profile(model: str, root: Path, steps: int, extra: list[str]) -> dict:
     run_dir = root / f"run_{model}"
     flags = work.ppo_flags(folder, prompts, reward, run_dir, steps) + extra
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    start = (time.perf_counter(), _busy())
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "ppo", *flags], env=env)
     marks: list[tuple[float, list[float]]] = []  # (time, per-core busy) as each step's record appears
     metrics = run_dir / "metrics.jsonl"
@@ -78,19 +80,23 @@ def profile(model: str, root: Path, steps: int, extra: list[str]) -> dict:
     cores = [statistics.median(c[i] for c in per_core) for i in range(len(per_core[0]))] if per_core else []
     out["busy"] = cores
     out["idle"] = out["step"] * sum(1 - min(1.0, b) for b in cores)
+    # start-up and the first step: from the command to step 1's record, in seconds and in core-seconds
+    out["first_step"] = marks[0][0] - start[0]
+    out["first_step_busy"] = sum(marks[0][1]) - sum(start[1])
     return out
 
 
 def table(results: dict) -> str:
     cols = (*STAGES, "overhead")
     lines = [
-        "| model | step | " + " | ".join(cols) + " | idle core-s | busy per core |",
-        "|---|---|" + "---|" * len(cols) + "---|---|",
+        "| model | step | " + " | ".join(cols) + " | idle core-s | busy per core | to step 1 |",
+        "|---|---|" + "---|" * len(cols) + "---|---|---|",
     ]
     for model, r in results.items():
         cells = " | ".join(f"{r[k]:.2f} ({100 * r[k] / r['step']:.0f}%)" for k in cols)
         busy = " ".join(f"{100 * b:.0f}%" for b in r["busy"])
-        lines.append(f"| {model} | {r['step']:.2f} s | {cells} | {r['idle']:.2f} | {busy} |")
+        first = f"{r['first_step']:.1f} s, {r['first_step_busy']:.0f} core-s"
+        lines.append(f"| {model} | {r['step']:.2f} s | {cells} | {r['idle']:.2f} | {busy} | {first} |")
     return "\n".join(lines)
 
 
@@ -125,7 +131,7 @@ def main() -> None:
         _summary.row(
             a.summary,
             f"profile {model} model: s/step",
-            f"{r['step']:.2f} s ({stages}; busy {busy})",
+            f"{r['step']:.2f} s ({stages}; busy {busy}; to step 1 {r['first_step']:.1f} s)",
             "-",
             "-",
         )

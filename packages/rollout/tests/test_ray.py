@@ -88,3 +88,33 @@ def test_create_engines_rejects_bad_placement(ray_cluster, tiny_model_dir):
         create_engines(num_engines=1, backend="transformers", engine_kwargs={}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"engine_kwargs\['tensor_parallel_size'\]=2 differs"):
         create_engines(num_engines=1, backend="vllm", engine_kwargs={"tensor_parallel_size": 2})
+
+
+def test_engines_not_waited_for_return_while_they_start_and_their_start_up_errors_surface(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    """``create_engines(wait=False)`` hands back the actors at once (what a caller does meanwhile overlaps
+    the engines' start-up); ``engines_started`` resolves once each has started, or fails with its
+    start-up error."""
+    from rlhf_rollout import engines_started
+
+    def launch(model):
+        return create_engines(
+            wait=False,
+            num_engines=1,
+            backend="transformers",
+            engine_kwargs=dict(model=str(model), max_model_len=384),
+            num_cpus_per_engine=0.25,
+            env_vars={"OMP_NUM_THREADS": "1"},
+        )
+
+    good, bad = launch(tiny_model_dir), launch(tmp_path / "no_such_model")
+    try:
+        ready, _ = ray.wait(engines_started(good), timeout=0)
+        assert not ready  # a new process has not imported and loaded its engine yet
+        assert ray.get(engines_started(good), timeout=300) == [384]
+        with pytest.raises(ray.exceptions.RayActorError, match="no_such_model"):
+            ray.get(engines_started(bad), timeout=300)
+    finally:
+        for h in (*good, *bad):
+            ray.kill(h, no_restart=True)

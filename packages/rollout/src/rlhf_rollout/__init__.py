@@ -29,7 +29,12 @@ from rlhf_rollout.executors import (
 )
 from rlhf_rollout.hf_engine import TransformersEngine, process_logits
 from rlhf_rollout.openai_server import CallRecord, OpenAIServer
-from rlhf_rollout.ray_engines import EngineActor, EngineClient, create_engines
+from rlhf_rollout.ray_engines import (
+    EngineActor,
+    EngineClient,
+    create_engines,
+    engines_started,
+)
 from rlhf_rollout.remote_reward import RemoteReward, RemoteRewardError
 from rlhf_rollout.rewards import RewardFunction, RewardResult, RewardSource, load_reward_func
 from rlhf_rollout.types import FinishReason, Generation, SamplingParams, VersionSpan, oldest_version
@@ -71,6 +76,7 @@ __all__ = [
     "chat_feedback_tokens",
     "check_prompts",
     "create_engines",
+    "engines_started",
     "load_reward_func",
     "oldest_version",
     "pin_to_cores",

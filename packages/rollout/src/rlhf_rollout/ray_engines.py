@@ -109,10 +109,13 @@ def create_engines(
     start_timeout_s: float = 1800.0,
     asynchronous: bool = False,
     cpu_cores: Sequence[Sequence[int]] = (),
+    wait: bool = True,
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s (``asynchronous``: :class:`AsyncEngineActor` s over
-    vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles
-    (ready when this returns).
+    vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles,
+    ready (an engine's start-up error is raised here, within ``start_timeout_s``). ``wait=False`` returns
+    them at once, while they start, so that the caller's own start-up overlaps theirs; wait for
+    :func:`engines_started` before using them.
 
     Placement: with ``placement_group``, engine ``i`` takes the ``tensor_parallel_size`` bundles
     ``bundle_indices[i*tp : (i+1)*tp]`` (default ``range(num_engines * tp)``); the actor sits on the
@@ -121,8 +124,7 @@ def create_engines(
     ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
 
     ``env_vars`` go into every actor's ``runtime_env`` (e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``:
-    a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``start_timeout_s``
-    bounds the start-up. ``cpu_cores``: per engine, the cores of its node it is bound to (:func:`pin_to_cores`).
+    a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``cpu_cores``: per engine, the cores of its node it is bound to (:func:`pin_to_cores`).
     """
     import ray
 
@@ -152,8 +154,15 @@ def create_engines(
             backend=backend, engine_kwargs=dict(kwargs), cpu_cores=cores
         )
         handles.append(handle)
-    ray.get([h.max_model_len.remote() for h in handles], timeout=start_timeout_s)  # surfaces start-up errors
+    if wait:
+        ray.get(engines_started(handles), timeout=start_timeout_s)
     return handles
+
+
+def engines_started(handles: Sequence[Any]) -> list[Any]:
+    """One object ref per engine of :func:`create_engines`, ready once that engine has started (its
+    ``max_model_len``), or failing with its start-up error."""
+    return [h.max_model_len.remote() for h in handles]
 
 
 def _check_engine_counts(

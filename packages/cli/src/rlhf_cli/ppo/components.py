@@ -8,7 +8,6 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.run import data_parallel_size
 from rlhf_cli.runtime.checkpoint import zero_partitioned
 from rlhf_cli.runtime.cluster import PlacementGroups
-from rlhf_cli.runtime.failures import Stops
+from rlhf_cli.runtime.failures import Stops, get_all
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
 from rlhf_cli.runtime.placement import Plan, eager_engines
 from rlhf_cli.runtime.specs import GroupSpec, group_strategy
 from rlhf_cli.runtime.weight_sync import EngineWeightSync
-from rlhf_rollout import EngineClient, create_engines
+from rlhf_rollout import EngineClient, create_engines, engines_started
 
 __all__ = ["WORKER_EXTENSION", "Components", "start_components"]
 
@@ -154,10 +153,11 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> dict
     return out
 
 
-def _start_engines(
+def _launch_engines(
     cfg: PPOConfig, plan: Plan, pgs: PlacementGroups, path: str, stop_at_exit: Stops, asynchronous: bool
-) -> EngineClient:
-    """``--vllm.num_engines`` engines on the engines' placement group; each one's stop registered."""
+) -> list[Any]:
+    """``--vllm.num_engines`` engines on the engines' placement group, each one's stop registered as it
+    is created; returned while they start (``engines_started`` says when they have)."""
 
     eg = plan.group("engines")
     host = plan.group(eg.share) if eg.share else eg  # colocated: the engines sit on the host's bundles
@@ -177,15 +177,13 @@ def _start_engines(
         num_cpus_per_engine=eg.bundle.get("CPU", 0),
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
-        start_timeout_s=cfg.ray.timeout_s,
         asynchronous=asynchronous and cfg.rollout.backend == "vllm",
         cpu_cores=_engine_cores(eg.cores, cfg.vllm.num_engines, plan.resources.nodes),
+        wait=False,
     )
     for i, h in enumerate(handles):
         stop_at_exit(lambda h=h: _stop_engine(h), actors={h._actor_id.hex(): f"rollout engine {i}"})
-    return EngineClient(
-        handles, tensor_parallel_size=cfg.vllm.tensor_parallel_size, timeout_s=cfg.ray.timeout_s
-    )
+    return handles
 
 
 def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list[int]]:
@@ -223,27 +221,27 @@ def start_components(
     asynchronous: bool = False,
     resume_from: Path | None = None,
 ) -> Components:
-    """Start the engines (unless ``engines`` are given) and every learner group at once, then join the
-    weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
+    """Start the engines (unless ``engines`` are given) and every learner group at once, wait until all have
+    started, then join the weight-sync group. ``asynchronous``: vLLM engines over ``AsyncLLM``, which batch
     concurrent calls and serve pauses and weight updates while generating. ``resume_from``: the
     checkpoint the run resumes (its groups keep the ZeRO stage it was written with)."""
     path = str(model_dir)
-    # The engines start in a thread while the groups' ranks start: each side spends its start-up
-    # importing its libraries, and neither waits for the other. Leaving the block waits for the thread,
-    # so the engines' stops are registered before a failed start-up is cleaned up.
-    with ThreadPoolExecutor(1, thread_name_prefix="start-engines") as pool:
-        starting = None
-        if engines is None:
-            starting = pool.submit(_start_engines, cfg, plan, pgs, path, stop_at_exit, asynchronous)
-        groups = launch_groups(
-            _specs(cfg, plan, path, resume_from),
-            plan,
-            pgs,
-            timeout_s=cfg.ray.timeout_s,
-            stop_at_exit=stop_at_exit,
-        )
-        if starting is not None:
-            engines = starting.result()
+    # Everything is created before anything is waited for: each process spends its start-up importing
+    # its libraries, and none waits for another's.
+    launched = None
+    if engines is None:
+        launched = _launch_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)
+    groups = launch_groups(
+        _specs(cfg, plan, path, resume_from),
+        plan,
+        pgs,
+        timeout_s=cfg.ray.timeout_s,
+        stop_at_exit=stop_at_exit,
+    )
+    if launched is not None:
+        get_all(engines_started(launched), timeout_s=cfg.ray.timeout_s)  # an engine's death: named
+        tp = cfg.vllm.tensor_parallel_size
+        engines = EngineClient(launched, tensor_parallel_size=tp, timeout_s=cfg.ray.timeout_s)
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(

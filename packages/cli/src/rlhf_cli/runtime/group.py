@@ -73,8 +73,9 @@ class LearnerGroup:
         self._pending: list[Any] = []
 
     # Set-up is started on every rank at once; ``wait_setup`` collects it with the group's timeout.
-    def start_setup(self) -> None:
-        addr, port = self._get(self.workers[0].node_address.remote())
+    def start_setup(self, master: tuple[str, int]) -> None:
+        """``master``: rank 0's ``node_address`` (the group's rendezvous)."""
+        addr, port = master
         self._pending = [w.setup.remote(master_addr=addr, master_port=port) for w in self.workers]
 
     def wait_setup(self) -> int:
@@ -291,9 +292,9 @@ def launch_groups(
     timeout_s: float,
     stop_at_exit: Stops,
 ) -> dict[str, LearnerGroup]:
-    """Create every group's ranks on its placement group, then start their set-up, all groups in parallel
-    (``wait_setup`` collects them, so other work, e.g. starting engines, overlaps it): no group's ranks
-    wait for another's to start. Each group's stop is registered with ``stop_at_exit`` the moment it is
+    """Create every group's ranks on its placement group, then start their set-up once each group's rank 0
+    has said where it listens (``wait_setup`` collects the set-up): the groups start in parallel, and
+    other work overlaps them. Each group's stop is registered with ``stop_at_exit`` the moment it is
     created."""
     groups: dict[str, LearnerGroup] = {}
     for name, spec in specs.items():
@@ -312,8 +313,9 @@ def launch_groups(
             env_vars=env | worker_env(),  # a thread count the user exported wins
         )
         stop_at_exit(groups[name].shutdown, actors=groups[name].actor_names(name))
-    for g in groups.values():
-        g.start_setup()
+    masters = get_all([g.workers[0].node_address.remote() for g in groups.values()], timeout_s=timeout_s)
+    for g, master in zip(groups.values(), masters, strict=True):
+        g.start_setup(master)
     return groups
 
 
