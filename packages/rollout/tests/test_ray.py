@@ -108,13 +108,17 @@ def test_engines_not_waited_for_return_while_they_start_and_their_start_up_error
             env_vars={"OMP_NUM_THREADS": "1"},
         )
 
-    good, bad = launch(tiny_model_dir), launch(tmp_path / "no_such_model")
+    launched = []
     try:
+        good = launch(tiny_model_dir)
+        launched += good
+        bad = launch(tmp_path / "no_such_model")
+        launched += bad
         ready, _ = ray.wait(engines_started(good), timeout=0)
         assert not ready  # a new process has not imported and loaded its engine yet
         assert ray.get(engines_started(good), timeout=300) == [384]
         with pytest.raises(ray.exceptions.RayActorError, match="no_such_model"):
             ray.get(engines_started(bad), timeout=300)
     finally:
-        for h in (*good, *bad):
+        for h in launched:
             ray.kill(h, no_restart=True)

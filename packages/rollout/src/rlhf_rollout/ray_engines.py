@@ -14,7 +14,7 @@ from rlhf_rollout.types import Generation, SamplingParams
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-__all__ = ["EngineActor", "EngineClient", "create_engines"]
+__all__ = ["EngineActor", "EngineClient", "create_engines", "engines_started"]
 
 Backend = Literal["vllm", "transformers"]
 
@@ -113,9 +113,8 @@ def create_engines(
 ) -> list[Any]:
     """Start ``num_engines`` :class:`EngineActor` s (``asynchronous``: :class:`AsyncEngineActor` s over
     vLLM's ``AsyncLLM``, which serve pauses and weight updates while generating); returns their handles,
-    ready (an engine's start-up error is raised here, within ``start_timeout_s``). ``wait=False`` returns
-    them at once, while they start, so that the caller's own start-up overlaps theirs; wait for
-    :func:`engines_started` before using them.
+    ready (start-up errors raised, within ``start_timeout_s``), or with ``wait=False`` at once, while they
+    start (the caller's start-up overlaps theirs; wait for :func:`engines_started` before using them).
 
     Placement: with ``placement_group``, engine ``i`` takes the ``tensor_parallel_size`` bundles
     ``bundle_indices[i*tp : (i+1)*tp]`` (default ``range(num_engines * tp)``); the actor sits on the
@@ -124,7 +123,8 @@ def create_engines(
     ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
 
     ``env_vars`` go into every actor's ``runtime_env`` (e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``:
-    a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``cpu_cores``: per engine, the cores of its node it is bound to (:func:`pin_to_cores`).
+    a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``cpu_cores``: per
+    engine, the cores of its node it is bound to (:func:`pin_to_cores`).
     """
     import ray
 
@@ -139,7 +139,6 @@ def create_engines(
     kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp)
     handles = []
     for i in range(num_engines):
-        bundles = None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp]
         options = _actor_options(
             backend=backend,
             tp=tp,
@@ -147,13 +146,12 @@ def create_engines(
             num_gpus=num_gpus_per_engine,
             env_vars=env_vars,
             placement_group=placement_group,
-            bundles=bundles,
+            bundles=None if bundle_indices is None else bundle_indices[i * tp : (i + 1) * tp],
         )
         cores = list(cpu_cores[i]) if cpu_cores else []
-        handle = actor_cls.options(**options).remote(
-            backend=backend, engine_kwargs=dict(kwargs), cpu_cores=cores
+        handles.append(
+            actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs, cpu_cores=cores)
         )
-        handles.append(handle)
     if wait:
         ray.get(engines_started(handles), timeout=start_timeout_s)
     return handles

@@ -5,6 +5,7 @@ the moment it starts, so a failed start-up is cleaned up by the same path as a f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -155,9 +156,9 @@ def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> dict
 
 def _launch_engines(
     cfg: PPOConfig, plan: Plan, pgs: PlacementGroups, path: str, stop_at_exit: Stops, asynchronous: bool
-) -> list[Any]:
+) -> tuple[list[Any], list[Any]]:
     """``--vllm.num_engines`` engines on the engines' placement group, each one's stop registered as it
-    is created; returned while they start (``engines_started`` says when they have)."""
+    is created; returned while they start, with what to wait on (``engines_started``)."""
 
     eg = plan.group("engines")
     host = plan.group(eg.share) if eg.share else eg  # colocated: the engines sit on the host's bundles
@@ -181,9 +182,11 @@ def _launch_engines(
         cpu_cores=_engine_cores(eg.cores, cfg.vllm.num_engines, plan.resources.nodes),
         wait=False,
     )
-    for i, h in enumerate(handles):
-        stop_at_exit(lambda h=h: _stop_engine(h), actors={h._actor_id.hex(): f"rollout engine {i}"})
-    return handles
+    started = engines_started(handles)
+    for i, (h, ref) in enumerate(zip(handles, started, strict=True)):
+        stop = functools.partial(_stop_engine, h, started=ref)
+        stop_at_exit(stop, actors={h._actor_id.hex(): f"rollout engine {i}"})
+    return handles, started
 
 
 def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list[int]]:
@@ -196,10 +199,13 @@ def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list
     return [list(cores[(i % per_node) * share : (i % per_node + 1) * share] or cores) for i in range(engines)]
 
 
-def _stop_engine(handle: Any) -> None:
+def _stop_engine(handle: Any, *, started: Any) -> None:
+    """Shut the engine down, then kill its actor; one still starting (``started`` not ready: a run that
+    failed or was interrupted at start-up) is killed at once, as a call would wait behind its start-up."""
     import ray
 
-    _quietly(lambda: ray.get(handle.shutdown.remote(), timeout=60))
+    if ray.wait([started], timeout=0, fetch_local=False)[0]:
+        _quietly(lambda: ray.get(handle.shutdown.remote(), timeout=60))
     ray.kill(handle, no_restart=True)
 
 
@@ -228,20 +234,16 @@ def start_components(
     path = str(model_dir)
     # Everything is created before anything is waited for: each process spends its start-up importing
     # its libraries, and none waits for another's.
+    specs = _specs(cfg, plan, path, resume_from)
     launched = None
     if engines is None:
         launched = _launch_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)
-    groups = launch_groups(
-        _specs(cfg, plan, path, resume_from),
-        plan,
-        pgs,
-        timeout_s=cfg.ray.timeout_s,
-        stop_at_exit=stop_at_exit,
-    )
+    groups = launch_groups(specs, plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit)
     if launched is not None:
-        get_all(engines_started(launched), timeout_s=cfg.ray.timeout_s)  # an engine's death: named
+        handles, started = launched
+        get_all(started, timeout_s=cfg.ray.timeout_s)  # an engine's death: named
         tp = cfg.vllm.tensor_parallel_size
-        engines = EngineClient(launched, tensor_parallel_size=tp, timeout_s=cfg.ray.timeout_s)
+        engines = EngineClient(handles, tensor_parallel_size=tp, timeout_s=cfg.ray.timeout_s)
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(

@@ -145,6 +145,7 @@ def lost_host(err: BaseException, names: Mapping[str, str], *, wait_s: float = 1
     on_it = [
         name for aid, name in names.items() if table.get(aid, {}).get("Address", {}).get("NodeID") == node
     ]
+    on_it.sort(key=lambda name: name.startswith("rollout engine"))  # learner ranks, then engines
     ip = lost.get("NodeManagerAddress") or address.get("IPAddress")
     why = " ".join(str(lost.get("DeathReasonMessage") or "").split())
     listed = ", ".join(on_it) or "none of the run's named processes"
