@@ -380,6 +380,12 @@ def test_bad_model_folders_fail_in_one_line_naming_the_folder(
     assert expected.format(path=path) in cli_error(command, "--dry-run", flag, str(path))
 
 
+def test_sequences_longer_than_the_models_positions_fail_in_one_line_before_start_up(model_copy):
+    flags = ("--dry-run", "--actor.pretrain", str(model_copy), "--vllm.max_model_len", "100000")
+    line = cli_error("ppo", *flags)  # vLLM would refuse it in each engine's start-up, with a traceback
+    assert line.startswith("error: --vllm.max_model_len 100000 is longer than the policy's 2048 positions")
+
+
 def test_a_reward_model_without_a_tokenizer_is_refused_before_loading(model_copy):
     from rlhf_cli.serve_rm import RewardScorer
 

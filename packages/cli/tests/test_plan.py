@@ -8,7 +8,13 @@ import dataclasses
 import pytest
 from rlhf_cli.config import ConfigError, DPOConfig, PPOConfig, RMConfig, SFTConfig
 from rlhf_cli.runtime.cluster import ClusterResources
-from rlhf_cli.runtime.model_sizes import ModelShape, ModelSizes, activation_bytes, model_shape, model_sizes
+from rlhf_cli.runtime.model_sizes import (
+    ModelShape,
+    ModelSizes,
+    activation_bytes,
+    model_shape,
+    model_sizes,
+)
 from rlhf_cli.runtime.placement import make_offline_plan, make_plan
 
 CPU = ClusterResources(cpus=16, gpus=0, nodes=1, node_ips=("127.0.0.1",))
@@ -21,11 +27,12 @@ def gpu(memory_gib: float | None, gpus: int = 4) -> ClusterResources:
     return ClusterResources(cpus=16, gpus=gpus, nodes=1, node_ips=("127.0.0.1",), gpu_memory_gib=memory_gib)
 
 
-def write_config(path, *, layers: int = 2, hidden: int = 64, vocab: int = 300):
+def write_config(path, *, layers: int = 2, hidden: int = 64, vocab: int = 300, positions: int = 2048):
     """A Hugging Face folder with only a config.json (all the plan reads)."""
     from transformers import Qwen2Config
 
     Qwen2Config(
+        max_position_embeddings=positions,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -73,6 +80,28 @@ def test_each_group_is_sized_from_its_own_folder(tmp_path):
     # the critic defaults to the actor's folder with a value head: one row of h instead of the LM head
     plain = model_sizes(ppo("--actor.pretrain", str(actor), "--algo.advantage.estimator", "gae"))
     assert plain.critic.params == plain.actor.params + 64 and plain.ref is None
+
+
+def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    actor = write_config(tmp_path / "actor", positions=1024)
+    critic = write_config(tmp_path / "critic", positions=256)
+    with pytest.raises(ConfigError, match=r"^--vllm.max_model_len 2000 is longer than the policy's 1024 pos"):
+        make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "2000"), CPU)
+    make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "1024"), CPU)
+    gae = ("--algo.advantage.estimator", "gae", "--critic.pretrain", str(critic))
+    with pytest.raises(
+        ConfigError, match=r"critic's 256 positions .*; set --vllm.max_model_len 256 or less$"
+    ):
+        make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "512", *gae), CPU)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override is honoured
+    make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "2000"), CPU)
+    sft = config(SFTConfig, "--model.pretrain", str(critic), "--data.max_len", "300")
+    with pytest.raises(ConfigError, match=r"^--data.max_len 300 is longer than the model's 256 positions"):
+        make_offline_plan(sft, CPU, with_ref=False)
+    ref = ("--ref.pretrain", str(critic), "--data.max_len", "300")
+    with pytest.raises(ConfigError, match=r"^--data.max_len 300 is longer than the reference's 256"):
+        make_offline_plan(config(DPOConfig, "--model.pretrain", str(actor), *ref), CPU, with_ref=True)
 
 
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():

@@ -81,6 +81,18 @@ def test_token_ids_score_like_texts(server, rm_dir):
     assert r.json()["rewards"] == pytest.approx(learner_scores(rm_dir, TEXTS[:2]), abs=1e-5)
 
 
+def test_sequences_are_cut_to_the_models_positions_when_max_len_is_longer(rm_dir, tmp_path):
+    import shutil
+
+    short = shutil.copytree(rm_dir, tmp_path / "short")
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    scorer = RewardScorer(short, max_len=2048)
+    assert scorer.max_len == 16
+    long = [(7 * i) % 50 + 3 for i in range(40)]
+    assert scorer.score_ids([long]) == pytest.approx(scorer.score_ids([long[-16:]]), abs=1e-6)
+
+
 def test_requests_without_the_token_are_refused(server):
     r = httpx.post(f"{server.url}/score", json={"queries": ["x"]}, timeout=30)
     assert r.status_code == 401

@@ -18,6 +18,7 @@ from rlhf_learner.models import (
     load_reward_model,
     token_logprobs,
 )
+from rlhf_learner.models.loading import max_positions
 from transformers import AutoModelForCausalLM
 
 
@@ -61,6 +62,21 @@ def test_sequence_longer_than_model_max_is_rejected(tiny_model_dir):
         actor(torch.zeros(1, limit + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="position_ids"):
         actor(torch.zeros(1, 4, dtype=torch.long), position_ids=torch.tensor([[0, 1, limit, 0]]))
+
+
+def test_a_models_positions_are_derived_from_its_config_as_vllm_derives_them():
+    from transformers import GPT2Config, Qwen2Config
+
+    assert max_positions(Qwen2Config(max_position_embeddings=1024)) == 1024
+    assert max_positions(GPT2Config(n_positions=256)) == 256
+    linear = Qwen2Config(max_position_embeddings=1024, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert max_positions(linear) == 4096  # linear scaling stretches the trained positions
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert max_positions(Qwen2Config(max_position_embeddings=1024, rope_scaling=yarn)) == 1024  # pre-scaled
+    long = Qwen2Config(max_position_embeddings=1024)
+    long.model_max_length = 4096
+    assert max_positions(long) == 4096
+    assert max_positions(object()) is None  # a config naming no length: nothing to check
 
 
 def test_missing_and_non_causal_model_folders_are_rejected(tiny_model_dir, tmp_path):

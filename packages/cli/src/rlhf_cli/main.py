@@ -246,7 +246,10 @@ def serve_rm(ctx: typer.Context) -> None:
             build_app(scorer, token=token, max_body_bytes=s.max_body_bytes), host=s.host, port=s.port
         )
         auth = "bearer token required" if token else "no token"
-        typer.echo(f"serving {cfg.reward.pretrain} on {server.url}/score ({auth}); Ctrl-C stops", err=True)
+        cut = f"sequences cut to their last {scorer.max_len} tokens"
+        typer.echo(
+            f"serving {cfg.reward.pretrain} on {server.url}/score ({auth}, {cut}); Ctrl-C stops", err=True
+        )
         server.run()
         return "stopped"
 

@@ -50,6 +50,7 @@ class RewardScorer:
     ):
         from rlhf_learner import load_reward_model
         from rlhf_learner.models import check_model_dir
+        from rlhf_learner.models.loading import max_positions
         from transformers import AutoTokenizer
 
         self.path = str(path)
@@ -57,7 +58,10 @@ class RewardScorer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_reward_model(self.path).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size = batch_size
+        self.max_len = min(
+            max_len, max_positions(self.model.config) or max_len
+        )  # within the model's positions
         self._lock = threading.Lock()  # one forward at a time (requests arrive on several threads)
 
     @property

@@ -292,7 +292,8 @@ class ServeOptions(Section):
     batch_size: int = Field(16, ge=1)
     """Sequences per forward pass."""
     max_len: int = Field(2048, ge=2)
-    """Longest sequence scored (tokens); longer ones are cut to their last max_len tokens."""
+    """Longest sequence scored (tokens), at most the model's positions; longer ones are cut to their last
+    max_len tokens."""
 
 
 class ServedModel(Section):

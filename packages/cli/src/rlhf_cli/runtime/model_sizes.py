@@ -8,15 +8,25 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
+from rlhf_learner.models.loading import max_positions
 
-__all__ = ["ModelShape", "ModelSizes", "activation_bytes", "count_params", "model_shape", "model_sizes"]
+__all__ = [
+    "ModelShape",
+    "ModelSizes",
+    "activation_bytes",
+    "check_positions",
+    "count_params",
+    "model_shape",
+    "model_sizes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """One model as the memory estimate needs it: parameters, hidden size h, layers L, vocabulary v, K width
-    per layer and token (num_key_value_heads x head_dim), and whether a scalar value head replaces the LM
-    head (critic, reward model)."""
+    per layer and token (num_key_value_heads x head_dim), whether a scalar value head replaces the LM
+    head (critic, reward model), and the longest sequence its config allows (``max_positions``; None:
+    the config does not say)."""
 
     params: int
     hidden: int
@@ -24,6 +34,7 @@ class ModelShape:
     vocab: int
     kv_dim: int
     value_head: bool = False
+    positions: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +75,8 @@ def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_dim = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
     dims = {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "vocab": text.vocab_size}
-    return ModelShape(params=params, kv_dim=kv_dim, value_head=value_head, **dims)
+    positions = max_positions(text)
+    return ModelShape(params=params, kv_dim=kv_dim, value_head=value_head, positions=positions, **dims)
 
 
 def model_shape(
@@ -85,6 +97,18 @@ def model_shape(
         raise ConfigError(f"{flag} {model_dir}: no config.json (not a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(model_dir))
     return _shape(config.get_text_config(), _meta_params(config, value_head=value_head), value_head)
+
+
+def check_positions(length: int, flag: str, models: dict[str, ModelShape | None]) -> None:
+    """ConfigError when sequences of ``length`` tokens (``flag``) are longer than a model's config allows
+    (``ModelShape.positions``): caught in the plan in one line rather than by vLLM in an engine's start-up, or
+    not at all by a learner (positions past a RoPE model's range give silently wrong log-probs)."""
+    for who, shape in models.items():
+        if shape is not None and shape.positions is not None and length > shape.positions:
+            raise ConfigError(
+                f"{flag} {length} is longer than the {who}'s {shape.positions} positions (from its "
+                f"config.json); set {flag} {shape.positions} or less"
+            )
 
 
 def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:

@@ -5,6 +5,7 @@ it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,13 @@ from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.config.run import RayConfig
 from rlhf_cli.runtime.cluster import ClusterResources
 from rlhf_cli.runtime.cpu_threads import engine_threads, pinned, with_threads
-from rlhf_cli.runtime.model_sizes import ModelShape, ModelSizes, activation_bytes, model_sizes
+from rlhf_cli.runtime.model_sizes import (
+    ModelShape,
+    ModelSizes,
+    activation_bytes,
+    check_positions,
+    model_sizes,
+)
 from rlhf_learner import StrategyOptions
 
 __all__ = ["EAGER_BELOW_PARAMS", "GroupPlan", "Plan", "eager_engines", "make_offline_plan", "make_plan"]
@@ -283,6 +290,8 @@ def make_offline_plan(
     ``make_plan``. On GPU a micro-batch is ``--train.micro_batch_size`` examples
     (two sequences each for rm, dpo and kto) of ``--data.max_len`` tokens."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
+    models = {"model": sizes.actor, "reference": sizes.ref if with_ref else None}
+    check_positions(cfg.data.max_len, "--data.max_len", models)  # type: ignore[attr-defined]
     _check_4bit(getattr(cfg, "lora", None), "--lora.load_in_4bit", resources)
     gc = cfg.model.options.gradient_checkpointing
     gc_flag, lora = "--model.options.gradient_checkpointing", getattr(cfg, "lora", None) is not None
@@ -337,6 +346,14 @@ def make_plan(
     On GPU a learner micro-batch is
     ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len`` tokens (prompt + response)."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() not in ("1", "true"):  # as vLLM
+        models = {
+            "policy": sizes.actor,
+            "critic": sizes.critic,
+            "reference": sizes.ref,
+            "reward model": sizes.reward,
+        }
+        check_positions(cfg.vllm.max_model_len, "--vllm.max_model_len", models)
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
     load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None

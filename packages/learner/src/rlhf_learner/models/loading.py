@@ -20,6 +20,7 @@ __all__ = [
     "check_sequence_length",
     "compile_model",
     "input_positions",
+    "max_positions",
     "zero3_construction",
     "zero_stage",
 ]
@@ -111,9 +112,46 @@ def check_model_dir(
     return config
 
 
+_POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_PRESCALED_ROPE = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"})
+"""RoPE types whose configs give ``max_position_embeddings`` already scaled (their ``factor`` is not applied)."""
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence (tokens) a model's (text) config allows, as vLLM derives it: ``model_max_length`` where
+    set, else the smallest of the position keys present (``max_position_embeddings``, ``n_positions``, ...),
+    times the RoPE scaling ``factor`` of a type that does not pre-scale its positions (linear, dynamic; not
+    yarn, llama3, longrope; nor Gemma 3's); None when the config names no such key."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    explicit = getattr(text, "model_max_length", None)
+    found = [v for k in _POSITION_KEYS if isinstance(v := getattr(text, k, None), int)]
+    if not (explicit or found):
+        return None
+    limit = explicit or min(found)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    per_layer = [p for p in rope.values() if isinstance(p, dict)] if isinstance(rope, dict) else []
+    params = per_layer or ([rope] if isinstance(rope, dict) else [])
+    factors = [
+        float(p.get("factor") or 1.0)
+        for p in params
+        if p.get("rope_type", p.get("type")) not in _PRESCALED_ROPE
+    ]
+    scale = 1.0 if "gemma3" in str(getattr(text, "model_type", "")) else max(factors, default=1.0)
+    return max(int(limit * scale), explicit or 0)
+
+
 def check_sequence_length(config: Any, length: int, *, what: str = "input_ids") -> None:
-    """Raise ``ValueError`` when ``length`` exceeds the model's ``max_position_embeddings``."""
-    limit = getattr(config, "max_position_embeddings", None)
+    """Raise ``ValueError`` when ``length`` exceeds the model's positions (``max_positions``)."""
+    limit = max_positions(config)
     if limit is not None and length > limit:
         raise ValueError(f"{what}: sequence length {length} exceeds the model's maximum of {limit} positions")
 
