@@ -104,6 +104,20 @@ def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_pa
         make_offline_plan(config(DPOConfig, "--model.pretrain", str(actor), *ref), CPU, with_ref=True)
 
 
+def test_cpu_engines_kv_caches_beyond_the_hosts_memory_are_refused():
+    host = dataclasses.replace(CPU, host_memory_gib=8.0)
+    with pytest.raises(
+        ConfigError, match=r"^--vllm.kv_cache_gib 10 x 1 engine process\(es\) on a node is more"
+    ):
+        make_plan(ppo("--vllm.kv_cache_gib", "10"), host)
+    three = ("--vllm.kv_cache_gib", "4", "--vllm.num_engines", "3")
+    with pytest.raises(ConfigError, match=r"4 x 3 engine process\(es\) on a node is more than its 8.0 GiB"):
+        make_plan(ppo(*three), host)
+    assert make_plan(ppo(*three), dataclasses.replace(host, nodes=2)).group("engines").parts["KV"] == 4
+    make_plan(ppo(*three, "--rollout.backend", "transformers"), host)  # no KV cache reserved
+    make_plan(ppo("--vllm.kv_cache_gib", "10"), CPU)  # the host's memory unknown (a joined cluster)
+
+
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():
     cfg = ppo("--algo.advantage.estimator", "gae", "--train.warmup_sft_steps", "0")
     same = make_plan(cfg, CPU, sizes=ModelSizes(actor=MID, critic=MID))

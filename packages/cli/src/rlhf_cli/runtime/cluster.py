@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlhf_cli.config import OfflineConfig, PPOConfig
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.runtime.failures import Stops
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ __all__ = [
     "LOOPBACK_ENV",
     "ClusterResources",
     "PlacementGroups",
+    "check_host_memory",
     "local_resources",
     "placement_groups",
     "start_ray",
@@ -36,6 +37,15 @@ class ClusterResources:
     gpu_memory_gib: float | None = None
     """Memory of one GPU in GiB (this machine's first GPU; on a Ray cluster the driver's node's); None:
     unknown or no GPU, and then plans are not checked against device memory."""
+    host_memory_gib: float | None = None
+    """Memory of the one node of a local cluster in GiB; None (a joined cluster, whose nodes may differ
+    from the driver's): CPU engines' KV caches are not checked against it."""
+
+
+def _host_memory_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30
 
 
 def _gpu_memory_gib() -> float | None:
@@ -45,6 +55,20 @@ def _gpu_memory_gib() -> float | None:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
     return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def check_host_memory(
+    resources: ClusterResources, *, gib: float, processes: int, what: str, flag: str
+) -> None:
+    """ConfigError naming ``flag`` when ``processes`` processes (``what``) of ``gib`` GiB each cannot fit a
+    node's memory (``host_memory_gib``): one of them alone, or on a one-node cluster all of them together."""
+    host = resources.host_memory_gib
+    on_a_node = processes if resources.nodes <= 1 else 1
+    if host is not None and gib * on_a_node > host:
+        raise ConfigError(
+            f"{flag} {gib:g} x {on_a_node} {what} on a node is more than its {host:.1f} GiB of memory; "
+            f"lower {flag}"
+        )
 
 
 def local_resources(cfg: PPOConfig | OfflineConfig) -> ClusterResources:
@@ -57,6 +81,7 @@ def local_resources(cfg: PPOConfig | OfflineConfig) -> ClusterResources:
         nodes=1,
         node_ips=("127.0.0.1",),
         gpu_memory_gib=_gpu_memory_gib() if gpus else None,
+        host_memory_gib=_host_memory_gib(),
     )
 
 
@@ -98,6 +123,7 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
         nodes=len(ips),
         node_ips=ips,
         gpu_memory_gib=_gpu_memory_gib() if gpus else None,  # the driver's node's, as a sample
+        host_memory_gib=None if address else _host_memory_gib(),
     ), started
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.config.run import RayConfig
-from rlhf_cli.runtime.cluster import ClusterResources
+from rlhf_cli.runtime.cluster import ClusterResources, check_host_memory
 from rlhf_cli.runtime.cpu_threads import engine_threads, pinned, with_threads
 from rlhf_cli.runtime.model_sizes import (
     ModelShape,
@@ -184,6 +184,10 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
     parts, extra = {"weights": weights}, ""
     if resources.gpus == 0:
         parts["KV"] = float(cfg.vllm.kv_cache_gib)
+        if cfg.rollout.backend == "vllm":  # here, not in each engine's start-up
+            procs = cfg.vllm.num_engines * tp
+            what, flag = "engine process(es)", "--vllm.kv_cache_gib"
+            check_host_memory(resources, gib=parts["KV"], processes=procs, what=what, flag=flag)
     elif vllm_gpu and device is not None:
         parts["KV"] = util * device - weights
         per_token = 2 * shape.layers * shape.kv_dim * 2 / tp  # K and V, 16-bit, heads split over TP
