@@ -293,6 +293,35 @@ def test_bad_flags_fail_in_one_line_naming_the_flag(args, expected):
 
 
 @pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["ppo", "--actor_learning_rate", "1e-6"], "OpenRLHF's --actor_learning_rate is --actor.lr here"),
+        (["ppo", "--max_epochs", "2"], "OpenRLHF's --max_epochs is --train.ppo_epochs here"),
+        (["sft", "--max_epochs", "2"], "OpenRLHF's --max_epochs is --train.num_epochs here"),
+        (["dpo", "--pretrain", "x"], "OpenRLHF's --pretrain is --model.pretrain here"),
+        (
+            ["ppo", "--micro_batch_size", "2"],
+            "did you mean --train.micro_batch_size?",
+        ),  # not the hidden --ds one
+    ],
+)
+def test_openrlhf_flags_are_told_their_names_here(args, expected):
+    assert cli_error(*args) == f"error: unknown flag {args[1]}; {expected}"
+
+
+def test_every_openrlhf_flag_maps_to_a_flag_a_command_has_and_unrelated_flags_get_no_suggestion():
+    from rlhf_cli.config import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
+    from rlhf_cli.config.loading import iter_fields
+    from rlhf_cli.config.openrlhf_names import OPENRLHF_FLAGS
+
+    ours = {
+        f.path for cls in (PPOConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig) for f in iter_fields(cls)
+    }
+    assert not {c for cands in OPENRLHF_FLAGS.values() for c in cands} - ours
+    assert cli_error("ppo", "--log.eval_steps", "3") == "error: unknown flag --log.eval_steps"
+
+
+@pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b"- actor\n- critic\n", "{path}: expected a mapping of sections at the top level"),

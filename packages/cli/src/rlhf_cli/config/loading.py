@@ -9,13 +9,15 @@ import functools
 import itertools
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from rlhf_cli.config.openrlhf_names import openrlhf_hint
 
 __all__ = [
     "ConfigError",
@@ -145,13 +147,31 @@ def _is_bool(annotation: Any) -> bool:
     return bool in args
 
 
+def _words(path: str) -> set[str]:
+    return set(path.replace(".", "_").split("_"))
+
+
 def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
-    close = difflib.get_close_matches(path, valid, n=1, cutoff=0.6)
+    """The closest valid key (difflib) that shares a word with ``path`` (``--log.eval_steps`` is not
+    ``--algo.clip.value_eps``), else one with ``path``'s last segment."""
+    close = [c for c in difflib.get_close_matches(path, valid, n=5, cutoff=0.6) if _words(path) & _words(c)][
+        :1
+    ]
     if not close:
         # try the last segment alone (e.g. --lr for --actor.lr)
         leaf = path.rsplit(".", 1)[-1]
         close = [v for v in valid if v.rsplit(".", 1)[-1] == leaf][:1]
     return f"; did you mean {dash}{close[0]}?" if close else ""
+
+
+def _unknown_flag(name: str, leaves: Collection[str]) -> ConfigError:
+    """The error for ``--name``: an OpenRLHF flag's name here, else the closest flag ``--help`` shows (not
+    the ``--ds`` fields another flag sets)."""
+    from rlhf_cli.config.run import DS_FIELDS_SET_ELSEWHERE
+
+    shown = [p for p in leaves if not (p.startswith("ds.") and p.split(".")[1] in DS_FIELDS_SET_ELSEWHERE)]
+    hint = openrlhf_hint(name, shown) or _suggest(name, shown, dash="--")
+    return ConfigError(f"unknown flag --{name}{hint}")
 
 
 def _set(tree: dict, path: str, value: Any, *, append: bool) -> None:
@@ -180,7 +200,8 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
     """``--a.b value`` / ``--a.b=value`` / a bare ``--flag`` for booleans, into a nested dict.
 
     Values are read as YAML scalars (``1e-3``, ``true``, ``null``); list fields take repeated flags
-    or comma-separated values. Unknown flags raise naming the closest valid one."""
+    or comma-separated values. Unknown flags raise naming the closest valid one (an OpenRLHF flag: its
+    name here)."""
     leaves = {f.path: f for f in iter_fields(cls)}
     sections = {p.rsplit(".", i)[0] for p in leaves for i in range(1, p.count(".") + 1)}
     tree: dict = {}
@@ -206,7 +227,7 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
                 _set(tree, name, value, append=False)
                 i += 1
                 continue
-            raise ConfigError(f"unknown flag --{name}{_suggest(name, list(leaves), dash='--')}")
+            raise _unknown_flag(name, leaves)
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if _is_bool(info.annotation) and (nxt is None or nxt.startswith("--")):
