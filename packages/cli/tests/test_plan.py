@@ -118,6 +118,19 @@ def test_cpu_engines_kv_caches_beyond_the_hosts_memory_are_refused():
     make_plan(ppo("--vllm.kv_cache_gib", "10"), CPU)  # the host's memory unknown (a joined cluster)
 
 
+def test_cpu_engines_sharded_over_workers_need_a_core_per_worker():
+    two = dataclasses.replace(CPU, cpus=2)
+    assert make_plan(ppo("--vllm.tensor_parallel_size", "2"), two).group("engines").processes == 2
+    with pytest.raises(ConfigError, match=r"^--vllm.tensor_parallel_size 3: .* its node has 2; lower it$"):
+        make_plan(ppo("--vllm.tensor_parallel_size", "3"), two)
+    pinned = ("--train.pin_cores", "true", "--vllm.tensor_parallel_size")
+    with pytest.raises(ConfigError, match=r"each engine has 1 of the engines' pinned cores; .*pin_cores false$"):
+        make_plan(ppo(*pinned, "2"), two)
+    make_plan(ppo(*pinned, "4", "--vllm.num_engines", "2"), CPU)  # 16 cores: 8 for the engines, 4 each
+    with pytest.raises(ConfigError, match="each engine has 2 of the engines' pinned cores"):
+        make_plan(ppo(*pinned, "4", "--vllm.num_engines", "4"), CPU)
+
+
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():
     cfg = ppo("--algo.advantage.estimator", "gae", "--train.warmup_sft_steps", "0")
     same = make_plan(cfg, CPU, sizes=ModelSizes(actor=MID, critic=MID))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import threading
 
-from rlhf_rollout.cores import bind_all_threads, pin_to_cores
+import pytest
+from rlhf_rollout.cores import bind_all_threads, pin_to_cores, split_for_workers
 
 
 def test_threads_started_while_bound_keep_the_binding_until_all_threads_are_released():
@@ -39,3 +40,13 @@ def test_threads_started_while_bound_keep_the_binding_until_all_threads_are_rele
     assert seen["pinned"] == seen["child"] == one
     assert seen["released"] == seen["child after"] == allowed
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_a_sharded_cpu_engine_gives_each_worker_a_run_of_its_cores():
+    allowed = sorted(os.sched_getaffinity(0))
+    for workers in range(1, len(allowed) + 1):
+        runs = [[int(c) for c in run.split(",")] for run in split_for_workers(workers).split("|")]
+        assert len(runs) == workers and [c for run in runs for c in run] == allowed  # contiguous, each once
+        assert max(map(len, runs)) - min(map(len, runs)) <= 1
+    with pytest.raises(ValueError, match=f"a CPU engine needs a core per worker, it has {len(allowed)}"):
+        split_for_workers(len(allowed) + 1)

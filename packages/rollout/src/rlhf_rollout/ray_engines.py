@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlhf_rollout.cores import pin_to_cores
+from rlhf_rollout.cores import pin_to_cores, split_for_workers
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.types import Generation, SamplingParams
 
@@ -28,6 +29,8 @@ class EngineActor:
     ) -> None:
         if cpu_cores:
             pin_to_cores(cpu_cores)
+        if engine_kwargs.get("distributed_executor_backend") == "mp":  # vLLM-CPU's workers, sharded
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_for_workers(engine_kwargs["tensor_parallel_size"])
         if backend == "vllm":
             from rlhf_rollout.vllm_engine import VLLMEngine
 
@@ -136,7 +139,7 @@ def create_engines(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
     actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
-    kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp)
+    kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp, gpu=num_gpus_per_engine > 0)
     handles = []
     for i in range(num_engines):
         options = _actor_options(
@@ -200,11 +203,13 @@ def _resolve_bundle_indices(
     return bundle_indices
 
 
-def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) -> dict[str, Any]:
+def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int, gpu: bool) -> dict[str, Any]:
     """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
-    and a default distributed executor: Ray when sharded, else ``"uni"`` (the worker runs inside the
-    engine core, which :func:`_actor_options` keeps inside the actor: no processes to spawn, no
-    shared-memory queues between them; an asynchronous engine's core always runs in a child process)."""
+    and a default distributed executor: when sharded, Ray on GPUs and ``"mp"`` on CPU (vLLM-CPU has no
+    Ray executor: the workers are the actor's child processes, each on its own run of the actor's cores,
+    :func:`split_for_workers`), else ``"uni"`` (the worker runs inside the engine core, which
+    :func:`_actor_options` keeps inside the actor: no processes to spawn, no shared-memory queues between
+    them; an asynchronous engine's core always runs in a child process)."""
     kwargs = dict(engine_kwargs)
     if backend == "vllm":
         if kwargs.get("tensor_parallel_size", tp) != tp:
@@ -213,7 +218,7 @@ def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int) 
                 f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
             )
         kwargs["tensor_parallel_size"] = tp
-        kwargs.setdefault("distributed_executor_backend", "ray" if tp > 1 else "uni")
+        kwargs.setdefault("distributed_executor_backend", ("ray" if gpu else "mp") if tp > 1 else "uni")
     return kwargs
 
 

@@ -7,12 +7,13 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from rlhf_cli.config import ConfigError
 from rlhf_cli.runtime.cluster import ClusterResources
 
 if TYPE_CHECKING:
     from rlhf_cli.runtime.placement import GroupPlan
 
-__all__ = ["engine_threads", "pinned", "with_threads"]
+__all__ = ["check_engine_workers", "engine_threads", "pinned", "with_threads"]
 
 
 def with_threads(
@@ -58,6 +59,25 @@ def pinned(
         threads = max(1, len(mine) // max(1, procs))
         out.append(replace(g, cores=() if g.name in floating else mine, threads=threads))
     return out
+
+
+def check_engine_workers(
+    groups: list[GroupPlan], resources: ClusterResources, *, tp: int, engines: int
+) -> None:
+    """CPU engines sharded over ``tp`` workers (``--vllm.tensor_parallel_size``) bind each worker to cores
+    of its own: ConfigError when an engine has fewer cores than workers (all of its node's, or when pinned
+    its share of the engines' half)."""
+    g = next((g for g in groups if g.name == "engines"), None)
+    if g is None or tp == 1 or resources.gpus:
+        return
+    per_node = -(-engines // max(1, resources.nodes))
+    cores = len(g.cores) // per_node if g.cores else int(resources.cpus // max(1, resources.nodes))
+    if cores < tp:
+        has = f"each engine has {cores} of the engines' pinned cores" if g.cores else f"its node has {cores}"
+        more = " (or --vllm.num_engines), or set --train.pin_cores false" if g.cores else ""
+        raise ConfigError(
+            f"--vllm.tensor_parallel_size {tp}: a CPU engine's workers need a core each, and {has}; lower it{more}"
+        )
 
 
 _ONE_THREAD_PARAMS = 5e6

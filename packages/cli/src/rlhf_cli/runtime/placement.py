@@ -12,7 +12,7 @@ from typing import Any
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.config.run import RayConfig
 from rlhf_cli.runtime.cluster import ClusterResources, check_host_memory
-from rlhf_cli.runtime.cpu_threads import engine_threads, pinned, with_threads
+from rlhf_cli.runtime.cpu_threads import check_engine_workers, engine_threads, pinned, with_threads
 from rlhf_cli.runtime.model_sizes import (
     ModelShape,
     ModelSizes,
@@ -339,16 +339,11 @@ def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
     return out
 
 
-def make_plan(
-    cfg: PPOConfig,
-    resources: ClusterResources,
-    *,
-    sizes: ModelSizes | None = None,
-) -> Plan:
+def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes | None = None) -> Plan:
     """Processes, bundles and memory per group; raises ConfigError naming the flags when it cannot fit.
     ``sizes``: each group's model (``model_sizes(cfg, model_dir)``; unset: read from ``cfg``'s folders).
-    On GPU a learner micro-batch is
-    ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len`` tokens (prompt + response)."""
+    On GPU a learner micro-batch is ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len``
+    tokens (prompt + response)."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
     if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() not in ("1", "true"):  # as vLLM
         models = {
@@ -380,6 +375,7 @@ def make_plan(
 
     groups = colocate(groups, cfg.colocated)
     n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
+    check_engine_workers(groups, resources, tp=tp, engines=n)
     engines = f"--vllm.num_engines {n} x --vllm.tensor_parallel_size {tp} engine process(es)"
     _check_fits(groups, resources, cfg.ray, f"{engines} and the learner groups")
     from rlhf_weightsync import select_transport
