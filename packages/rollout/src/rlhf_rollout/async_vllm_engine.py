@@ -10,7 +10,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
-from rlhf_rollout.cores import bind_all_threads, pin_to_cores
+from rlhf_rollout.cores import bind_all_threads, bind_sharded_workers, pin_to_cores
 from rlhf_rollout.engine import (
     EngineCapabilities,
     UnsupportedOperationError,
@@ -197,6 +197,7 @@ class AsyncEngineActor:
         allowed = os.sched_getaffinity(0)
         if cpu_cores:
             pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
+        bind_sharded_workers(engine_kwargs)
         from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
 
         self.engine = AsyncVLLMEngine(**engine_kwargs)

