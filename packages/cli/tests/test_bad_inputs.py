@@ -415,6 +415,29 @@ def test_sequences_longer_than_the_models_positions_fail_in_one_line_before_star
     assert line.startswith("error: --vllm.max_model_len 100000 is longer than the policy's 2048 positions")
 
 
+def test_a_run_folder_that_cannot_be_written_is_named_before_start_up(model_copy, tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    flags = ("--model.pretrain", str(model_copy), "--logger.run_dir")
+    assert cli_error("sft", *flags, str(file)) == (
+        f"error: --logger.run_dir {file}: cannot write the run there (a file, not a folder)"
+    )
+    assert "(Not a directory)" in cli_error("sft", *flags, str(file / "run"))
+
+
+def test_wandb_without_credentials_is_refused_before_start_up(model_copy, tmp_path, monkeypatch):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    run = tmp_path / "run"
+    flags = ("--model.pretrain", str(model_copy), "--logger.run_dir", str(run), "--logger.wandb_project", "p")
+    line = cli_error("sft", *flags)
+    assert line.startswith("error: --logger.wandb_project p: No API key configured")
+    assert line.endswith("(or set WANDB_MODE=offline)")
+    assert not run.exists()  # refused before the run folder was made
+
+
 def test_a_reward_model_without_a_tokenizer_is_refused_before_loading(model_copy):
     from rlhf_cli.serve_rm import RewardScorer
 

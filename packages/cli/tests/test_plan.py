@@ -124,7 +124,9 @@ def test_cpu_engines_sharded_over_workers_need_a_core_per_worker():
     with pytest.raises(ConfigError, match=r"^--vllm.tensor_parallel_size 3: .* its node has 2; lower it$"):
         make_plan(ppo("--vllm.tensor_parallel_size", "3"), two)
     pinned = ("--train.pin_cores", "true", "--vllm.tensor_parallel_size")
-    with pytest.raises(ConfigError, match=r"each engine has 1 of the engines' pinned cores; .*pin_cores false$"):
+    with pytest.raises(
+        ConfigError, match=r"each engine has 1 of the engines' pinned cores; .*pin_cores false$"
+    ):
         make_plan(ppo(*pinned, "2"), two)
     make_plan(ppo(*pinned, "4", "--vllm.num_engines", "2"), CPU)  # 16 cores: 8 for the engines, 4 each
     with pytest.raises(ConfigError, match="each engine has 2 of the engines' pinned cores"):

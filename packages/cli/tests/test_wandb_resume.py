@@ -41,8 +41,9 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, wandb
     assert second.wandb.id == run_id
     second.log(2, {"train/loss": 0.5})
     second.stop()
-    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) == 2  # both sessions wrote to the run with that id
+    # both sessions wrote to the run with that id (two starts in one second: W&B suffixes the second folder)
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
+    assert len(runs) == 2
 
 
 def test_without_wandb_no_id_is_kept(tmp_path):

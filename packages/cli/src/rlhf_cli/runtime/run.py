@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.config import OfflineConfig, PPOConfig, dump_yaml
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig, dump_yaml
 from rlhf_cli.runtime.checkpoint import (
     RESUMABLE_CHANGES,
     STATE_FILE,
@@ -33,7 +33,7 @@ from rlhf_cli.runtime.model_sizes import ModelSizes, model_sizes
 from rlhf_cli.runtime.placement import Plan
 from rlhf_cli.runtime.precision import slow_bf16_note
 from rlhf_cli.runtime.session import RunSession, run_session
-from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker
+from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker, check_wandb_login
 
 __all__ = ["EvalSchedule", "PlanFn", "Run", "RunSetup", "dry_run_plan", "prepare_run", "resolve_model"]
 
@@ -219,6 +219,7 @@ def prepare_run(
 ) -> RunSetup:
     """Before anything starts: the checkpoint to resume (refused when written with other settings), the
     run folder and its ``config.yaml``, the model, and a plan that fits the local machine."""
+    check_wandb_login(cfg.logger.wandb_project)
     run_dir = Path(cfg.logger.run_dir).absolute()  # engines and ranks may start in other folders
     ckpt_root = run_dir / "checkpoints"
     found = latest_checkpoint(ckpt_root) if cfg.ckpt.load_enable else None
@@ -228,8 +229,12 @@ def prepare_run(
         state = read_run_state(found)
     elif cfg.ckpt.load_enable:
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    except OSError as err:
+        why = "a file, not a folder" if run_dir.is_file() else err.strerror or str(err)
+        raise ConfigError(f"--logger.run_dir {run_dir}: cannot write the run there ({why})") from None
     model_dir = resolve_model(pretrain, run_dir)
     if not _joins_cluster(cfg):
         resources = local_resources(cfg)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PPO_DISPLAY", "Display", "Tracker"]
+__all__ = ["PPO_DISPLAY", "Display", "Tracker", "check_wandb_login"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,28 @@ PPO_DISPLAY = Display(
 )
 
 
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("--logger.wandb_project: install the rlhf-cli[wandb] extra") from None
+    return wandb
+
+
+def check_wandb_login(project: str | None) -> None:
+    """Before anything starts: W&B has credentials for ``--logger.wandb_project`` (``wandb login``,
+    ``WANDB_API_KEY``, or asked for on a terminal; none needed with ``WANDB_MODE`` offline or disabled),
+    not checked against the server. ValueError naming the flag otherwise."""
+    if not project or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    wandb = _import_wandb()
+    try:
+        wandb.login(verify=False)
+    except wandb.errors.Error as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"--logger.wandb_project {project}: {first} (or set WANDB_MODE=offline)") from None
+
+
 class Tracker:
     """Writes one record per step to every sink. ``metrics.jsonl`` is appended, so a resumed run
     continues the same file (records past the resume point are dropped first)."""
@@ -93,10 +115,7 @@ class Tracker:
         self.tb, self._progress = None, None
         self.wandb, self._wandb_id = None, wandb_id
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ValueError("--logger.wandb_project: install the rlhf-cli[wandb] extra") from None
+            wandb = _import_wandb()
             resume = {"id": wandb_id, "resume": "allow"} if wandb_id else {}
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir), **resume)
         if tensorboard:  # after W&B: a W&B start-up error leaves nothing open
