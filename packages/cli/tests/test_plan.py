@@ -27,7 +27,15 @@ def gpu(memory_gib: float | None, gpus: int = 4) -> ClusterResources:
     return ClusterResources(cpus=16, gpus=gpus, nodes=1, node_ips=("127.0.0.1",), gpu_memory_gib=memory_gib)
 
 
-def write_config(path, *, layers: int = 2, hidden: int = 64, vocab: int = 300, positions: int = 2048):
+def write_config(
+    path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    vocab: int = 300,
+    positions: int = 2048,
+    arch: str = "Qwen2ForCausalLM",
+):
     """A Hugging Face folder with only a config.json (all the plan reads)."""
     from transformers import Qwen2Config
 
@@ -40,7 +48,7 @@ def write_config(path, *, layers: int = 2, hidden: int = 64, vocab: int = 300, p
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=True,
-        architectures=["Qwen2ForCausalLM"],
+        architectures=[arch],
     ).save_pretrained(path)
     return path
 
@@ -65,7 +73,7 @@ def test_each_group_is_sized_from_its_own_folder(tmp_path):
     actor = write_config(tmp_path / "actor", layers=2)
     critic = write_config(tmp_path / "critic", layers=4)
     ref = write_config(tmp_path / "ref", layers=3)
-    reward = write_config(tmp_path / "reward", layers=1)
+    reward = write_config(tmp_path / "reward", layers=1, arch="Qwen2ForSequenceClassification")
     cfg = ppo("--actor.pretrain", str(actor), "--critic.pretrain", str(critic), "--ref.pretrain", str(ref),
               "--reward.pretrain", str(reward), "--algo.advantage.estimator", "gae", "--algo.kl.coef", "0.01")  # fmt: skip
     sizes = model_sizes(cfg)
@@ -131,6 +139,17 @@ def test_cpu_engines_sharded_over_workers_need_a_core_per_worker():
     make_plan(ppo(*pinned, "4", "--vllm.num_engines", "2"), CPU)  # 16 cores: 8 for the engines, 4 each
     with pytest.raises(ConfigError, match="each engine has 2 of the engines' pinned cores"):
         make_plan(ppo(*pinned, "4", "--vllm.num_engines", "4"), CPU)
+
+
+def test_a_reward_model_without_a_trained_score_head_is_refused(tmp_path, demo_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    flags = ("--algo.advantage.estimator", "reinforce", "--reward.pretrain")
+    with pytest.raises(ConfigError, match=r"no trained score head \(a causal LM, not a reward model\)"):
+        model_sizes(ppo(*flags, str(demo_model_dir)))  # its safetensors hold no score.weight
+    rm = AutoModelForSequenceClassification.from_pretrained(str(demo_model_dir), num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    assert model_sizes(ppo(*flags, str(tmp_path / "rm"))).reward.value_head
 
 
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():

@@ -110,6 +110,18 @@ def test_reference_is_frozen(tiny_model_dir):
     assert all(not p.requires_grad for p in ref.parameters())
 
 
+def test_a_score_head_is_found_in_the_weights_headers_sharded_or_not(tiny_model_dir, tmp_path):
+    from rlhf_learner.models import has_score_head
+    from transformers import AutoModelForSequenceClassification
+
+    assert not has_score_head(tiny_model_dir)  # a causal LM: scoring with it would use a random head
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    rm.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert has_score_head(tmp_path / "rm") and has_score_head(tmp_path / "sharded")
+
+
 def test_critic_values_and_reward_at_last_real_token(tiny_model_dir, tmp_path):
     critic = load_critic(tiny_model_dir)
     ids = torch.randint(3, 400, (1, 6))

@@ -227,6 +227,19 @@ for _command in TRAINING_COMMANDS:
     _register(_command)
 
 
+def _check_served_model(path: str) -> None:
+    """``rlhf serve-rm``'s folder: a model folder (``check_model_dir``) with a trained score head."""
+    from rlhf_learner.models import check_model_dir
+
+    from rlhf_cli.runtime.model_sizes import check_reward_model
+
+    try:
+        check_model_dir(path, need_causal_lm=False)
+    except ValueError as err:
+        raise ValueError(f"--reward.pretrain: {err}") from None
+    check_reward_model(path)
+
+
 @app.command("serve-rm", context_settings=_RAW, add_help_option=False)
 def serve_rm(ctx: typer.Context) -> None:
     """Serve a reward model over HTTP (POST /score, GET /health) for rlhf ppo --reward.remote_url."""
@@ -241,6 +254,7 @@ def serve_rm(ctx: typer.Context) -> None:
             raise ValueError(
                 f"--serve.host {s.host}: reachable from other machines; set --serve.token or RLHF_REWARD_TOKEN"
             )
+        _check_served_model(cfg.reward.pretrain)
         scorer = RewardScorer(cfg.reward.pretrain, batch_size=s.batch_size, max_len=s.max_len)
         server = RewardServer(
             build_app(scorer, token=token, max_body_bytes=s.max_body_bytes), host=s.host, port=s.port
@@ -254,12 +268,7 @@ def serve_rm(ctx: typer.Context) -> None:
         return "stopped"
 
     def dry_run(cfg: Any) -> str:
-        from rlhf_learner.models import check_model_dir
-
-        try:
-            check_model_dir(cfg.reward.pretrain, need_causal_lm=False)
-        except ValueError as err:
-            raise ValueError(f"--reward.pretrain: {err}") from None
+        _check_served_model(cfg.reward.pretrain)
         return f"would serve {cfg.reward.pretrain} on http://{cfg.serve.host}:{cfg.serve.port}/score"
 
     _config_command(ctx, ServeRMConfig, execute=execute, dry_run=dry_run)

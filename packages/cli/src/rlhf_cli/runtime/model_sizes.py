@@ -15,6 +15,7 @@ __all__ = [
     "ModelSizes",
     "activation_bytes",
     "check_positions",
+    "check_reward_model",
     "count_params",
     "model_shape",
     "model_sizes",
@@ -111,6 +112,18 @@ def check_positions(length: int, flag: str, models: dict[str, ModelShape | None]
             )
 
 
+def check_reward_model(path: Path | str, flag: str = "--reward.pretrain") -> None:
+    """ConfigError naming ``flag`` when the folder that scores samples has no trained ``score`` head (a
+    causal LM: its head would be new and random, and so would every reward)."""
+    from rlhf_learner.models import has_score_head
+
+    if not has_score_head(path):
+        raise ConfigError(
+            f"{flag} {path}: no trained score head (a causal LM, not a reward model): its rewards would be "
+            "random; train one with rlhf rm"
+        )
+
+
 def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:
     """Each group's model from its own folder flag, else the policy's: ``actor_dir`` when resolved (the
     built demo), else ``--actor.pretrain`` / ``--model.pretrain`` (unset: the demo). The critic
@@ -134,6 +147,7 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
     if cfg.reward.source == "model":
         reward = model_shape(cfg.reward.pretrain, value_head=True, flag="--reward.pretrain")
+        check_reward_model(cfg.reward.pretrain)
     return ModelSizes(actor=model_shape(policy), critic=critic, ref=ref, reward=reward)
 
 

@@ -25,7 +25,14 @@ from rlhf_learner.models.loading import (
 from rlhf_learner.models.logprobs import shift_to_inputs
 from rlhf_learner.packing import for_kernel
 
-__all__ = ["Critic", "RewardModel", "last_token_index", "load_critic", "load_reward_model"]
+__all__ = [
+    "Critic",
+    "RewardModel",
+    "has_score_head",
+    "last_token_index",
+    "load_critic",
+    "load_reward_model",
+]
 
 
 def last_token_index(
@@ -161,6 +168,30 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compile_model(model.base_model, options)  # the trunk: Critic.values calls it and the head apart
     return model
+
+
+def has_score_head(path: str | Path) -> bool:
+    """Whether a model folder holds a trained ``score`` head (a reward model or critic saved as
+    ``*ForSequenceClassification``): from its safetensors headers (no tensor is read), else, for ``.bin``
+    weights, its config's architectures. A causal LM has none: loaded for scoring, its head would be new
+    and random."""
+    import json
+
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text()).get("weight_map", {}))
+    else:
+        names = set()
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as weights:
+                names.update(weights.keys())
+    if names:
+        return any(n == "score.weight" or n.endswith(".score.weight") for n in names)
+    archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
 
 
 def load_critic(
