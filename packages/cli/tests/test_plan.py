@@ -152,6 +152,15 @@ def test_a_reward_model_without_a_trained_score_head_is_refused(tmp_path, demo_m
     assert model_sizes(ppo(*flags, str(tmp_path / "rm"))).reward.value_head
 
 
+def test_a_reference_with_another_vocabulary_is_refused(tmp_path):
+    actor, ref = write_config(tmp_path / "actor"), write_config(tmp_path / "ref", vocab=320)
+    match = r"--ref.pretrain .*ref: a vocabulary of 320 tokens, the policy's has 300"
+    with pytest.raises(ConfigError, match=match):
+        model_sizes(ppo("--actor.pretrain", str(actor), "--ref.pretrain", str(ref), "--algo.kl.coef", "0.01"))
+    with pytest.raises(ConfigError, match=match):
+        model_sizes(config(DPOConfig, "--model.pretrain", str(actor), "--ref.pretrain", str(ref)))
+
+
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():
     cfg = ppo("--algo.advantage.estimator", "gae", "--train.warmup_sft_steps", "0")
     same = make_plan(cfg, CPU, sizes=ModelSizes(actor=MID, critic=MID))

@@ -124,6 +124,18 @@ def check_reward_model(path: Path | str, flag: str = "--reward.pretrain") -> Non
         )
 
 
+def _reference(ref_dir: Path | str, policy: ModelShape) -> ModelShape:
+    """``--ref.pretrain``'s shape, refused when its vocabulary is not the policy's: the KL to it would
+    compare distributions over different tokens."""
+    ref = model_shape(ref_dir, flag="--ref.pretrain")
+    if ref.vocab != policy.vocab:
+        raise ConfigError(
+            f"--ref.pretrain {ref_dir}: a vocabulary of {ref.vocab} tokens, the policy's has {policy.vocab}: "
+            "the KL to it would compare different tokens; give a reference with the policy's tokenizer"
+        )
+    return ref
+
+
 def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:
     """Each group's model from its own folder flag, else the policy's: ``actor_dir`` when resolved (the
     built demo), else ``--actor.pretrain`` / ``--model.pretrain`` (unset: the demo). The critic
@@ -132,11 +144,10 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
     if not isinstance(cfg, PPOConfig):
         policy = actor_dir if actor_dir is not None else cfg.model.pretrain
         ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
-        return ModelSizes(
-            actor=model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain"),
-            ref=model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None,
-        )
+        actor = model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain")
+        return ModelSizes(actor=actor, ref=_reference(ref_dir, actor) if ref_dir else None)
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
+    actor = model_shape(policy)
     critic: ModelShape | None = None
     ref: ModelShape | None = None
     reward: ModelShape | None = None
@@ -144,11 +155,11 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
         critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
     if cfg.uses_reference and cfg.ref.pretrain:
-        ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
+        ref = _reference(cfg.ref.pretrain, actor)
     if cfg.reward.source == "model":
         reward = model_shape(cfg.reward.pretrain, value_head=True, flag="--reward.pretrain")
         check_reward_model(cfg.reward.pretrain)
-    return ModelSizes(actor=model_shape(policy), critic=critic, ref=ref, reward=reward)
+    return ModelSizes(actor=actor, critic=critic, ref=ref, reward=reward)
 
 
 def activation_bytes(
