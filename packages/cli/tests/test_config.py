@@ -88,6 +88,10 @@ def test_dotted_flags_fill_the_tree_with_types():
             ["--actor.model.compile", "true", "--ds.zero_stage", "3"],
             "--actor.model.compile with --ds.zero_stage 3",
         ),
+        (
+            ["--eval.n_samples", "4"],
+            "--eval: n_samples 4: greedy answers (--eval.temperature 0) are all the same",
+        ),
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_them(args, expected):

@@ -104,6 +104,7 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         *("--algo.advantage.estimator", "reinforce", "--actor.pretrain", str(demo_model_dir)),
         *("--reward.func", str(func), "--algo.kl.coef", "0.05", "--algo.kl.target=0.01"),
         *(f"--data.path={data}", "--data.apply_chat_template", f"--eval.path={data}", "--eval.every=1"),
+        *("--eval.n_samples", "3", "--eval.temperature", "1.0"),  # sampled: pass@3 beside the pass rate
     ]
     result = ppo(tmp_path / "run", one_engine, *flags)
     rows = check_run(result)
@@ -112,6 +113,7 @@ def test_reinforce_with_a_reward_function_file_and_kl_in_the_reward(tmp_path, on
         assert r["extra/half"] == pytest.approx(r["extra/digits"] / 2, rel=1e-6)
     # evaluation on --eval.path before the first step and after the last; the pass rate is a fraction
     assert 0 <= rows[0]["eval/pass_rate"] <= 1 and "eval/reward_mean" in rows[-1]
+    assert all(r["eval/pass_rate"] <= r["eval/pass_at_n"] <= 1 for r in rows if "eval/pass_rate" in r)
     assert "policy/kl" in rows[0] and rows[0]["policy/kl"] == pytest.approx(
         0.0, abs=1e-5
     )  # ref == actor at first

@@ -908,3 +908,12 @@ def test_an_agents_requests_sample_as_the_run_says_whatever_they_ask():
     (got,) = engine.params
     assert (got.temperature, got.top_p, got.top_k, got.logprobs) == (0.7, 0.9, 5, False)
     assert (got.max_new_tokens, got.n, got.seed) == (5, 2, 3)
+
+
+def test_sampled_evaluation_counts_passing_answers_and_prompts_with_one():
+    from rlhf_cli.ppo.evaluation import pass_metrics
+
+    scores = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1.0]  # 3 prompts x 3 answers, prompt-major
+    assert pass_metrics(scores, n=3, threshold=1.0) == {"eval/pass_rate": 3 / 9, "eval/pass_at_n": 2 / 3}
+    assert pass_metrics(scores, n=3, threshold=0.5)["eval/pass_rate"] == 4 / 9
+    assert pass_metrics(scores, n=1, threshold=1.0) == {"eval/pass_rate": 3 / 9}  # greedy: no pass@n

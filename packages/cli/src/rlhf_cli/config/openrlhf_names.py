@@ -109,6 +109,8 @@ OPENRLHF_FLAGS: dict[str, tuple[str, ...]] = {
     "apply_chat_template": ("data.apply_chat_template",),
     "max_samples": ("data.max_samples",),
     "eval_dataset": ("eval.path",),
+    "eval_temperature": ("eval.temperature",),
+    "eval_n_samples_per_prompt": ("eval.n_samples",),
     # checkpoints and logs
     "eval_steps": ("eval.every",),
     "save_steps": ("ckpt.save_steps",),

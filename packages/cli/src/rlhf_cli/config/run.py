@@ -175,11 +175,26 @@ class EvalConfig(Section):
     path: Path | None = None
     """Evaluation prompts (same format as data.path); unset: the built-in task's eval split when training on it."""
     every: int = Field(5, ge=0)
-    """Evaluate (greedy decoding) every N steps, and before the first and after the last; 0: never."""
+    """Evaluate every N steps, and before the first and after the last; 0: never."""
     max_samples: int | None = Field(128, ge=1)
     """Evaluate on at most this many prompts."""
     pass_threshold: float = 1.0
-    """A greedy answer whose score is at least this counts as a pass (eval/pass_rate)."""
+    """An answer whose score is at least this counts as a pass (eval/pass_rate: the passing answers'
+    fraction)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the answers; 0: greedy."""
+    n_samples: int = Field(1, ge=1)
+    """Answers per prompt; above 1 (sampled: --eval.temperature > 0) eval/pass_at_n is the fraction of
+    prompts with a passing answer, and eval/pass_rate the fraction of passing answers (mean@n)."""
+
+    @model_validator(mode="after")
+    def _sampled(self) -> EvalConfig:
+        if self.n_samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"n_samples {self.n_samples}: greedy answers (--eval.temperature 0) are all the same; "
+                "set --eval.temperature"
+            )
+        return self
 
 
 class CkptConfig(Section):

@@ -1,8 +1,8 @@
-"""Greedy evaluation of the policy on the evaluation prompts, and the built-in demo's warm-up."""
+"""Evaluation of the policy on the evaluation prompts (greedy or sampled), and the built-in demo's warm-up."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from rlhf_cli.ppo.updates import micro_batches
 from rlhf_cli.runtime.protocols import ScoringGroup
 from rlhf_rollout import AgentExecutorBase, SamplingParams
 
-__all__ = ["evaluate", "warmup"]
+__all__ = ["evaluate", "pass_metrics", "warmup"]
 
 
 def evaluate(
@@ -23,8 +23,18 @@ def evaluate(
     prompts: PromptSet,
     reward_model: ScoringGroup | None,
 ) -> dict[str, float]:
-    """Greedy answers to every evaluation prompt: mean reward and pass rate (score >= threshold)."""
-    params = SamplingParams(temperature=0.0, n=1, max_new_tokens=cfg.rollout.max_new_tokens, logprobs=False)
+    """``--eval.n_samples`` answers to every evaluation prompt, greedy or sampled at ``--eval.temperature``
+    (seeded with ``--train.seed``: every evaluation draws the same noise): mean reward, pass rate (the
+    answers scoring >= ``--eval.pass_threshold``) and, with several answers, pass@n (the prompts with a
+    passing answer)."""
+    e = cfg.eval
+    params = SamplingParams(
+        temperature=e.temperature,
+        n=e.n_samples,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        logprobs=False,
+        seed=cfg.train.seed if e.temperature > 0 else None,
+    )
     trajs = make_executor(params).run(prompts.token_ids, labels=prompts.labels)
     scores = [t.score for t in trajs]
     if reward_model is not None:
@@ -36,10 +46,21 @@ def evaluate(
                 packing=False,
             )
         ]
-    return {
-        "eval/reward_mean": sum(scores) / len(scores),
-        "eval/pass_rate": sum(s >= cfg.eval.pass_threshold for s in scores) / len(scores),
-    }
+    return {"eval/reward_mean": sum(scores) / len(scores)} | pass_metrics(
+        scores, n=e.n_samples, threshold=e.pass_threshold
+    )
+
+
+def pass_metrics(scores: Sequence[float], *, n: int, threshold: float) -> dict[str, float]:
+    """From ``n`` answers' scores per prompt, prompt-major (prompt i's at ``i*n .. i*n+n-1``), an answer
+    passing when its score is at least ``threshold``: ``eval/pass_rate``, the passing answers' fraction
+    (mean@n), and for ``n > 1`` ``eval/pass_at_n``, the fraction of prompts with a passing answer."""
+    passed = [s >= threshold for s in scores]
+    out = {"eval/pass_rate": sum(passed) / len(passed)}
+    if n > 1:
+        per_prompt = [any(passed[i : i + n]) for i in range(0, len(passed), n)]
+        out["eval/pass_at_n"] = sum(per_prompt) / len(per_prompt)
+    return out
 
 
 def warmup(cfg: PPOConfig, actor: Any, tokenizer: Any) -> None:

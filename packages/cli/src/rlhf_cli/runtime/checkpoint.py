@@ -57,6 +57,8 @@ RESUMABLE_CHANGES = (
     "eval.every",
     "eval.max_samples",
     "eval.pass_threshold",
+    "eval.temperature",
+    "eval.n_samples",
     "weightsync.timeout_s",
     "train.async.",
     "train.pin_cores",

@@ -45,11 +45,13 @@ PPO_DISPLAY = Display(
         "rollout/reward_mean": ("train reward (mean)", {"alpha": 0.6}),
         "eval/pass_rate": ("eval pass rate", {"marker": "o", "linewidth": 2.5}),
         "eval/reward_mean": ("eval reward (mean)", {"marker": "x", "linestyle": "--"}),
+        "eval/pass_at_n": ("eval pass@n", {"marker": "^", "linestyle": ":"}),
     },
     curve_file="reward_curve.png",
     summary_keys=(
         "rollout/reward_mean",
         "eval/pass_rate",
+        "eval/pass_at_n",
         "eval/reward_mean",
         "policy/kl",
         "rollout/response_length",
