@@ -88,6 +88,7 @@ def test_dotted_flags_fill_the_tree_with_types():
             ["--actor.model.compile", "true", "--ds.zero_stage", "3"],
             "--actor.model.compile with --ds.zero_stage 3",
         ),
+        (["--train.freeze_actor_steps", "2"], "--train.freeze_actor_steps trains the critic alone first"),
         (
             ["--eval.n_samples", "4"],
             "--eval: n_samples 4: greedy answers (--eval.temperature 0) are all the same",

@@ -55,9 +55,12 @@ def check_run(result, *, steps: int = 2) -> list[dict]:
     assert [r["sync/weight_version"] for r in rows] == [s + 1 for s in range(1, steps + 1)]
     assert [r["rollout/weight_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        assert r["sync/logp_mismatch_max"] < MISMATCH, r
-        for key in ("time/generation", "time/learner", "time/sync", "actor/loss"):
+        for key in ("time/generation", "time/learner", "time/sync"):
             assert key in r
+        if r["actor/optimizer_steps"] == 0:  # frozen (--train.freeze_actor_steps): the actor measured nothing
+            assert "actor/loss" not in r and "sync/logp_mismatch_max" not in r
+            continue
+        assert r["sync/logp_mismatch_max"] < MISMATCH and "actor/loss" in r, r
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(result.final_model)
@@ -68,7 +71,7 @@ def check_run(result, *, steps: int = 2) -> list[dict]:
 
 def test_gae_trains_its_critic(tmp_path, one_engine, demo_model_dir):
     """A reward of 1 for every sample (from a single-turn agent file's reward_func): returns are 1, so the
-    value loss falls as the critic learns it."""
+    value loss falls as the critic learns it (alone in the first step: the actor frozen)."""
     func = tmp_path / "one.py"
     func.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
     result = ppo(
@@ -84,8 +87,11 @@ def test_gae_trains_its_critic(tmp_path, one_engine, demo_model_dir):
         str(func),
         "--critic.lr",
         "2e-3",
+        "--train.freeze_actor_steps",
+        "1",
     )
     rows = check_run(result, steps=3)
+    assert [r["actor/optimizer_steps"] for r in rows] == [0, 1, 1]  # step 1 trains the critic alone
     losses = [r["critic/value_loss"] for r in rows]
     assert losses[2] < losses[0] and min(losses[1:]) < losses[0] / 2, losses
     assert (result.run_dir / "tensorboard").is_dir()

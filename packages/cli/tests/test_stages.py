@@ -460,6 +460,23 @@ def test_update_without_critic_trains_only_the_actor():
     assert not any(k.startswith("critic/") for k in upd.metrics())
 
 
+def test_a_frozen_actor_leaves_the_first_steps_to_the_critic():
+    cfg = cfg_of(
+        "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",
+        "--algo.advantage.estimator", "gae", "--train.freeze_actor_steps", "2", "--train.num_steps", "5",
+    )  # fmt: skip
+    actor, critic = actor_group(), critic_group()
+    for step in (1, 2):
+        upd = update(cfg, trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=step)
+        assert upd.actor is None and upd.kl_mean is None and len(critic.value_calls) == step
+        m = upd.metrics()
+        assert m["actor/optimizer_steps"] == 0 and "critic/loss" in m and "actor/loss" not in m
+    assert not actor.policy_calls
+    upd = update(cfg, trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=3)
+    assert len(actor.policy_calls) == 1 and upd.metrics()["actor/loss"] == 1.0
+    assert cfg.total_optimizer_steps("actor") == 3 and cfg.total_optimizer_steps("critic") == 5
+
+
 def test_a_non_finite_loss_on_a_rank_fails_the_run_naming_step_epoch_and_mini_batch():
     cfg = cfg_of(
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2",

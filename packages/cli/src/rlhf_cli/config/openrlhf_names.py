@@ -46,6 +46,7 @@ OPENRLHF_FLAGS: dict[str, tuple[str, ...]] = {
     "micro_train_batch_size": ("train.micro_batch_size",),
     "max_epochs": ("train.ppo_epochs", "train.num_epochs"),
     "num_episodes": ("train.num_steps",),
+    "freezing_actor_steps": ("train.freeze_actor_steps",),
     "seed": ("train.seed",),
     "packing_samples": ("train.packing",),
     "use_dynamic_batch": ("train.dynamic_batch",),

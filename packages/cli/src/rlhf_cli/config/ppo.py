@@ -86,9 +86,12 @@ class PPOConfig(Section):
 
     def total_optimizer_steps(self, group: str) -> int:
         """Optimizer steps of the whole run of ``group`` (actor or critic): what its learning-rate schedule
-        spans (the actor's include the built-in demo's warm-up SFT steps)."""
-        warmup = self.train.warmup_sft_steps if self.warmup_runs and group == "actor" else 0
-        return self.train.num_steps * self.optimizer_steps_per_step + warmup
+        spans (the actor's include the built-in demo's warm-up SFT steps, not ``--train.freeze_actor_steps``)."""
+        if group != "actor":
+            return self.train.num_steps * self.optimizer_steps_per_step
+        warmup = self.train.warmup_sft_steps if self.warmup_runs else 0
+        trained = max(0, self.train.num_steps - self.train.freeze_actor_steps)  # the frozen steps: none
+        return trained * self.optimizer_steps_per_step + warmup
 
     @property
     def lr_scheduled(self) -> bool:
@@ -266,6 +269,11 @@ class PPOConfig(Section):
             raise ValueError(
                 f"--train.agent_func_path and --reward.{flag}: the agent file is the reward source (its "
                 "reward_func or its environment); give one of them"
+            )
+        if self.train.freeze_actor_steps and not self.uses_critic:
+            raise ValueError(
+                "--train.freeze_actor_steps trains the critic alone first: it needs one "
+                "(--algo.advantage.estimator gae)"
             )
         if self.warmup_runs and self.uses_reference and self.ref.pretrain is None:
             raise ValueError(

@@ -108,6 +108,10 @@ class TrainConfig(Section):
     reward given): a rank's whole mini-batch, one micro-batch (its tiny model's step then costs half)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
+    freeze_actor_steps: int = Field(0, ge=0)
+    """PPO with a critic: the first N steps train the critic alone (the actor, and so the engines' weights,
+    stay as they are), so that a critic started from a causal LM learns values before the policy moves on
+    its advantages."""
     batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step (a PPO mini-batch): each pass takes rollout samples / batch_size
     optimizer steps over shuffled mini-batches; unset: the whole rollout batch (one step per pass)."""

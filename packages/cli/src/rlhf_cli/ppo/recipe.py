@@ -151,7 +151,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
                 batch, policy_version=rollouts.policy_version(step), eta=rollouts.max_staleness
             )
             synced = rollouts.sync()  # actor -> engines, as the next version
-            if cfg.algo.kl.enabled:
+            if cfg.algo.kl.enabled and upd.actor is not None:  # a frozen actor's KL says nothing new
                 kl_ctl.update(
                     exp.kl_mean if exp.kl_mean is not None else upd.kl_mean or 0.0, len(exp.samples)
                 )

@@ -25,7 +25,8 @@ B = TypeVar("B")
 class Updates:
     """The step's actor and critic results (means over its optimizer steps) and the stage's seconds."""
 
-    actor: StepResult
+    actor: StepResult | None
+    """None: the actor was frozen this step (``--train.freeze_actor_steps``)."""
     critic: StepResult | None
     optimizer_steps: int
     actor_s: float
@@ -42,12 +43,20 @@ class Updates:
     def kl_mean(self) -> float | None:
         """The KL loss term's mean per token (None when KL is no loss): with an exactly on-policy update
         the step measures the KL the experience stage did not."""
-        return self.actor.metrics.get("kl")
+        return self.actor.metrics.get("kl") if self.actor is not None else None
 
     def metrics(self) -> dict[str, float]:
-        a = dict(self.actor.metrics)
-        out = {"actor/loss": self.actor.loss, "actor/optimizer_steps": float(self.optimizer_steps)}
+        out = {"actor/optimizer_steps": float(self.optimizer_steps)}
         out |= {"time/actor_update": self.actor_s, "time/critic_update": self.critic_s}
+        if self.critic is not None:
+            out |= {
+                "critic/loss": self.critic.loss,
+                **{f"critic/{k}": v for k, v in self.critic.metrics.items()},
+            }
+        if self.actor is None:
+            return out
+        a = dict(self.actor.metrics)
+        out["actor/loss"] = self.actor.loss
         if "logp_mismatch" in a:  # the engine's log-probs against the policy the update started from
             out["sync/logp_mismatch_mean"] = a.pop("logp_mismatch")
             out["sync/logp_mismatch_max"] = a.pop("logp_mismatch_max")
@@ -56,11 +65,6 @@ class Updates:
         out |= {f"actor/{k}": v for k, v in a.items()}
         if self.actor.grad_norm is not None:
             out["actor/grad_norm"] = self.actor.grad_norm
-        if self.critic is not None:
-            out |= {
-                "critic/loss": self.critic.loss,
-                **{f"critic/{k}": v for k, v in self.critic.metrics.items()},
-            }
         return out
 
 
@@ -194,8 +198,9 @@ def update(
     reference: PendingScores | None = None,
 ) -> Updates:
     """``--train.ppo_epochs`` passes over the samples, one actor (and critic) optimizer step per
-    mini-batch (OpenRLHF's and verl's PPO semantics). ``reference``: the reference forward of
-    ``samples``, still running (``Experience.pending_reference``)."""
+    mini-batch (OpenRLHF's and verl's PPO semantics); the critic's alone for the first
+    ``--train.freeze_actor_steps`` steps. ``reference``: the reference forward of ``samples``, still
+    running (``Experience.pending_reference``)."""
     if reference is not None and sum(reference.lengths) != len(samples):
         raise ValueError(
             f"reference: scored {sum(reference.lengths)} sequences, the update has {len(samples)}"
@@ -206,17 +211,18 @@ def update(
         for i, part in enumerate(mini_batches(cfg, samples, step=step, epoch=epoch)):
             t0 = time.perf_counter()
             where = f"step {step}, epoch {epoch + 1}, mini-batch {i + 1}"
-            with naming_nonfinite(f"{where}: actor"):
-                actor_results.append(
-                    update_policy(cfg, part, actor, kl_coef=kl_coef, reference=reference, index=index)
-                )
+            if not 0 < step <= cfg.train.freeze_actor_steps:  # frozen: the critic's warm-up
+                with naming_nonfinite(f"{where}: actor"):
+                    actor_results.append(
+                        update_policy(cfg, part, actor, kl_coef=kl_coef, reference=reference, index=index)
+                    )
             t1 = time.perf_counter()
             if critic is not None:
                 with naming_nonfinite(f"{where}: critic"):
                     critic_results.append(update_critic(cfg, part, critic))
             seconds[0], seconds[1] = seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1
     return Updates(
-        actor=mean_result(actor_results),
+        actor=mean_result(actor_results) if actor_results else None,
         critic=mean_result(critic_results) if critic_results else None,
         optimizer_steps=len(actor_results),
         actor_s=seconds[0],
