@@ -250,6 +250,38 @@ def test_all_prompts_too_long_is_refused():
         _prompt_set([7, 30])
 
 
+def test_an_input_template_formats_text_prompts_and_refuses_a_conversation(tmp_path, demo_model_dir):
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.prompts import load_prompts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    data = write_lines(
+        tmp_path / "p.jsonl", [{"input": "add 1 2", "label": 3}, {"input": "add 4 5", "label": 9}]
+    )
+    flags = [
+        "--actor.pretrain",
+        "m",
+        "--reward.func",
+        "r.py",
+        "--data.path",
+        str(data),
+        "--eval.path",
+        str(data),
+    ]
+    cfg = build_config(PPOConfig, [*flags, "--data.input_template", "Q: {} =\nA:"])
+    train, evals = load_prompts(cfg, tok)
+    want = sorted(tok(f"Q: add {a} {b} =\nA:")["input_ids"] for a, b in ((1, 2), (4, 5)))
+    assert sorted(train.token_ids) == want and sorted(evals.token_ids) == want
+    write_lines(
+        data, [{"input": "add 1 2", "label": 3}, {"input": [{"role": "user", "content": "hi"}], "label": 0}]
+    )
+    with pytest.raises(
+        ValueError, match=r"p\.jsonl: prompt 1 is a conversation; --data.input_template formats"
+    ):
+        load_prompts(cfg, tok)
+
+
 # === 2. Flags and configuration files ===============================================================
 # (test_config.py has the unknown --actor.lrr, --train.num_steps abc, --ds.zero_stage 5 and a nested
 # unknown YAML key; these are others.)
@@ -271,6 +303,7 @@ def test_all_prompts_too_long_is_refused():
         (["ppo", "--reward.func_timeout_s", "0"], "--reward.func_timeout_s: Input should be greater than 0"),
         (["serve-rm", "--serve.port", "99999"], "--serve.port: Input should be less than or equal to 65535"),
         (["kto", "--config"], "--config: needs a YAML file"),
+        (["ppo", "--data.input_template", "Q:"], "--data: input_template 'Q:': has no '{}' for the prompt"),
     ],
     ids=[
         "stray-positional",
@@ -286,6 +319,7 @@ def test_all_prompts_too_long_is_refused():
         "zero-timeout",
         "port-out-of-range",
         "config-without-file",
+        "template-without-slot",
     ],
 )
 def test_bad_flags_fail_in_one_line_naming_the_flag(args, expected):

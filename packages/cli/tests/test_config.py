@@ -35,8 +35,11 @@ def test_dotted_flags_fill_the_tree_with_types():
             "http://127.0.0.1:1/a,http://127.0.0.1:1/b",
             "--algo.advantage.estimator",
             "gae",
+            "--logger.wandb_project",
+            "team: rl",  # text, though YAML would read a mapping
         ],
     )
+    assert cfg.logger.wandb_project == "team: rl"
     assert cfg.actor.lr == 1e-6 and cfg.algo.kl.coef == 0.01 and cfg.train.packing is False
     assert cfg.actor.lora is not None and cfg.actor.lora.rank == 4 and cfg.actor.lora.alpha == 16.0
     assert cfg.reward.remote_url == ["http://127.0.0.1:1/a", "http://127.0.0.1:1/b"]

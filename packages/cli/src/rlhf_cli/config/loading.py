@@ -138,6 +138,16 @@ def _is_list(annotation: Any) -> bool:
     return any(typing.get_origin(a) in seqs for a in args if a is not None)
 
 
+def _is_text(annotation: Any) -> bool:
+    """A ``str`` or ``str | None`` field."""
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    return {a for a in args if a is not type(None)} == {str}
+
+
 def _is_bool(annotation: Any) -> bool:
     args = (
         typing.get_args(annotation)
@@ -238,6 +248,8 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
                 raw = nxt
                 i += 1
         value: Any = _scalar(raw, name)
+        if _is_text(info.annotation) and not isinstance(value, str | None):
+            value = raw  # a text flag: "Q: {}" stays text (YAML would read a mapping)
         if _is_list(info.annotation):
             value = value if isinstance(value, list) else [s for s in str(raw).split(",") if s]
             _set(tree, name, value, append=True)

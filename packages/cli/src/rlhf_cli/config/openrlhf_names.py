@@ -108,6 +108,7 @@ OPENRLHF_FLAGS: dict[str, tuple[str, ...]] = {
     "rejected_key": ("data.rejected_key",),
     "label_key": ("data.label_key",),
     "apply_chat_template": ("data.apply_chat_template",),
+    "input_template": ("data.input_template",),
     "max_samples": ("data.max_samples",),
     "eval_dataset": ("eval.path",),
     "eval_temperature": ("eval.temperature",),

@@ -168,11 +168,22 @@ class DataConfig(Section):
     """Field holding the label the reward sees (None: no label)."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template."""
+    input_template: str | None = None
+    """Instead of a chat template: text prompts put in this text at its '{}' (e.g. $'Question: {}\nAnswer:'
+    in bash, where $'...' makes the newline), the evaluation prompts too."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many prompts."""
     strict: bool = False
     """Refuse a prompt that does not fit --vllm.max_model_len (default: skip it, count it in the log and the
     summary)."""
+
+    @model_validator(mode="after")
+    def _template(self) -> DataConfig:
+        if self.input_template is not None and "{}" not in self.input_template:
+            raise ValueError(f"input_template {self.input_template!r}: has no '{{}}' for the prompt")
+        if self.input_template is not None and self.apply_chat_template:
+            raise ValueError("input_template and apply_chat_template: give one way to format the prompts")
+        return self
 
 
 class EvalConfig(Section):

@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PromptCursor", "PromptRecord", "PromptSet", "load_records", "read_rows", "seeded_order"]
+__all__ = [
+    "PromptCursor",
+    "PromptRecord",
+    "PromptSet",
+    "load_records",
+    "read_rows",
+    "seeded_order",
+    "with_template",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +188,21 @@ class PromptSet:
             if self.cursor.index >= len(order):
                 self.cursor = PromptCursor(epoch=self.cursor.epoch + 1, index=0)
         return [self.token_ids[i] for i in picked], [self.labels[i] for i in picked]
+
+
+def with_template(records: list[PromptRecord], template: str | None, *, source: str) -> list[PromptRecord]:
+    """Text prompts put in ``template`` at its ``{}`` (``--data.input_template``); a conversation is
+    refused, naming it."""
+    if template is None:
+        return records
+    out = []
+    for i, r in enumerate(records):
+        if not isinstance(r.prompt, str):
+            raise ValueError(
+                f"{source}: prompt {i} is a conversation; --data.input_template formats text prompts"
+            )
+        out.append(replace(r, prompt=template.replace("{}", r.prompt, 1)))
+    return out
 
 
 def encode_prompt(prompt: str | list[dict], tokenizer: Any, *, apply_chat_template: bool) -> list[int]:

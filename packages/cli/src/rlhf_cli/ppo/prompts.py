@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.data.prompts import PromptSet, load_records
+from rlhf_cli.data.prompts import PromptSet, load_records, with_template
 from rlhf_cli.demo import task
 
 __all__ = ["load_prompts", "skipped_notes"]
@@ -35,6 +35,9 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
             max_samples=cfg.eval.max_samples,
             flag="--eval.path",
         )
+    template = cfg.data.input_template
+    train = with_template(train, template, source=source)
+    evals = with_template(evals, template, source="evaluation prompts") if evals else evals
     chat = cfg.data.apply_chat_template
     strict = cfg.data.strict
     train_set = PromptSet.from_records(
