@@ -90,6 +90,29 @@ def test_create_engines_rejects_bad_placement(ray_cluster, tiny_model_dir):
         create_engines(num_engines=1, backend="vllm", engine_kwargs={"tensor_parallel_size": 2})
 
 
+def test_a_sharded_engine_takes_vllms_ray_executor_on_gpus_and_child_processes_on_cpu(ray_cluster):
+    from types import SimpleNamespace
+
+    from rlhf_rollout.engine_setup import engine_arguments, on_gpus
+
+    gpu_bundles = SimpleNamespace(bundle_specs=[{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}])
+    assert on_gpus(gpu_bundles, [1, 2], 0.0) and not on_gpus(gpu_bundles, [0], 0.0)
+    assert on_gpus(None, None, 0.5)  # the actor asks for GPUs
+    assert on_gpus(None, None, 0.0) == (ray.cluster_resources().get("GPU", 0) > 0)
+
+    def executor(tp: int, gpu: bool) -> str:
+        return engine_arguments(backend="vllm", engine_kwargs={}, tp=tp, gpu=gpu)[
+            "distributed_executor_backend"
+        ]
+
+    assert (executor(2, True), executor(2, False), executor(1, True), executor(1, False)) == (
+        "ray",
+        "mp",
+        "uni",
+        "uni",
+    )
+
+
 def test_engines_not_waited_for_return_while_they_start_and_their_start_up_errors_surface(
     ray_cluster, tiny_model_dir, tmp_path
 ):

@@ -5,18 +5,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rlhf_rollout.cores import bind_sharded_workers, pin_to_cores
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
+from rlhf_rollout.engine_setup import (
+    Backend,
+    actor_options,
+    check_engine_counts,
+    engine_arguments,
+    on_gpus,
+    resolve_bundle_indices,
+)
 from rlhf_rollout.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
     from ray import ObjectRef
 
 __all__ = ["EngineActor", "EngineClient", "create_engines", "engines_started"]
-
-Backend = Literal["vllm", "transformers"]
 
 
 class EngineActor:
@@ -119,9 +125,9 @@ def create_engines(
 
     Placement: with ``placement_group``, engine ``i`` takes the ``tensor_parallel_size`` bundles
     ``bundle_indices[i*tp : (i+1)*tp]`` (default ``range(num_engines * tp)``); the actor sits on the
-    first and, for ``tensor_parallel_size > 1``, vLLM's Ray executor places its workers on all of them
-    (``VLLM_RAY_BUNDLE_INDICES``). Each actor asks for ``num_cpus_per_engine`` CPUs and
-    ``num_gpus_per_engine`` GPUs (the whole GPU of its first worker when ``tensor_parallel_size == 1``).
+    first and, for ``tensor_parallel_size > 1`` on GPUs, vLLM's Ray executor places its workers on all of
+    them (``VLLM_RAY_BUNDLE_INDICES``; on CPU its workers are the actor's child processes). Each actor
+    asks for ``num_cpus_per_engine`` CPUs and ``num_gpus_per_engine`` GPUs (its first worker's, tp 1).
 
     ``env_vars`` go into every actor's ``runtime_env`` (e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``:
     a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``cpu_cores``: per
@@ -132,15 +138,16 @@ def create_engines(
     from rlhf_rollout.async_vllm_engine import AsyncEngineActor
 
     tp = tensor_parallel_size
-    _check_engine_counts(num_engines=num_engines, backend=backend, tp=tp, cpu_cores=cpu_cores)
-    bundle_indices = _resolve_bundle_indices(
+    check_engine_counts(num_engines=num_engines, backend=backend, tp=tp, cpu_cores=cpu_cores)
+    bundle_indices = resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
     actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
-    kwargs = _engine_kwargs(backend=backend, engine_kwargs=engine_kwargs, tp=tp, gpu=num_gpus_per_engine > 0)
+    gpu = on_gpus(placement_group, bundle_indices, num_gpus_per_engine)
+    kwargs = engine_arguments(backend=backend, engine_kwargs=engine_kwargs, tp=tp, gpu=gpu)
     handles = []
     for i in range(num_engines):
-        options = _actor_options(
+        options = actor_options(
             backend=backend,
             tp=tp,
             num_cpus=num_cpus_per_engine,
@@ -162,101 +169,6 @@ def engines_started(handles: Sequence[Any]) -> list[Any]:
     """One object ref per engine of :func:`create_engines`, ready once that engine has started (its
     ``max_model_len``), or failing with its start-up error."""
     return [h.max_model_len.remote() for h in handles]
-
-
-def _check_engine_counts(
-    *, num_engines: int, backend: Backend, tp: int, cpu_cores: Sequence[Sequence[int]] = ()
-) -> None:
-    """At least one engine, of at least one worker; only vLLM shards a model over several; one core list
-    per engine when pinned."""
-    if cpu_cores and len(cpu_cores) != num_engines:
-        raise ValueError(f"cpu_cores has {len(cpu_cores)} core lists for {num_engines} engines")
-    if num_engines < 1:
-        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if tp > 1 and backend != "vllm":
-        raise ValueError(f"tensor_parallel_size={tp}: only the vllm backend shards a model")
-
-
-def _resolve_bundle_indices(
-    *, num_engines: int, tp: int, placement_group: Any, bundle_indices: Sequence[int] | None
-) -> list[int] | None:
-    """The placement group's bundles the engines take, ``tp`` per engine (``None`` without a group);
-    checked against the group's size."""
-    if placement_group is None and bundle_indices is not None:
-        raise ValueError("bundle_indices needs a placement_group")
-    if placement_group is None:
-        return None
-    bundle_indices = list(bundle_indices) if bundle_indices is not None else list(range(num_engines * tp))
-    if len(bundle_indices) != num_engines * tp:
-        raise ValueError(
-            f"bundle_indices has {len(bundle_indices)} entries; num_engines * tensor_parallel_size "
-            f"= {num_engines * tp}"
-        )
-    available = placement_group.bundle_count
-    bad = [b for b in bundle_indices if not 0 <= b < available]
-    if bad:
-        raise ValueError(f"bundle_indices {bad} are outside the placement group's {available} bundles")
-    return bundle_indices
-
-
-def _engine_kwargs(*, backend: Backend, engine_kwargs: dict[str, Any], tp: int, gpu: bool) -> dict[str, Any]:
-    """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
-    and a default distributed executor: when sharded, Ray on GPUs and ``"mp"`` on CPU (vLLM-CPU has no
-    Ray executor: the workers are the actor's child processes, each on its own run of the actor's cores,
-    :func:`split_for_workers`), else ``"uni"`` (the worker runs inside the engine core, which
-    :func:`_actor_options` keeps inside the actor: no processes to spawn, no shared-memory queues between
-    them; an asynchronous engine's core always runs in a child process)."""
-    kwargs = dict(engine_kwargs)
-    if backend == "vllm":
-        if kwargs.get("tensor_parallel_size", tp) != tp:
-            raise ValueError(
-                f"engine_kwargs['tensor_parallel_size']={kwargs['tensor_parallel_size']} differs from "
-                f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
-            )
-        kwargs["tensor_parallel_size"] = tp
-        kwargs.setdefault("distributed_executor_backend", ("ray" if gpu else "mp") if tp > 1 else "uni")
-    return kwargs
-
-
-def _actor_options(
-    *,
-    backend: Backend,
-    tp: int,
-    num_cpus: float,
-    num_gpus: float,
-    env_vars: dict[str, str] | None,
-    placement_group: Any,
-    bundles: Sequence[int] | None,
-) -> dict[str, Any]:
-    """Ray ``.options`` for one engine actor: its resources, its placement on the first of
-    ``bundles`` (all of which its vLLM workers take) and its ``runtime_env``."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    env = dict(env_vars or {})
-    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if backend == "vllm" and tp > 1:
-        options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
-    if backend == "vllm" and tp == 1:
-        # The engine core runs in the actor's process (an AsyncLLM's: in the one child it starts). The
-        # variable is also what keeps vLLM-CPU from moving the model of an AsyncLLM's core into a third
-        # process behind a spinning shared-memory queue (0.4M, one core: generation 0.44 -> 0.31 s).
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if num_gpus == 0:  # on CPU its torch threads: Ray would give a fractional-CPU actor one
-            env.setdefault("OMP_NUM_THREADS", str(max(1, round(num_cpus))))
-    if placement_group is not None:
-        assert bundles is not None
-        if tp > 1:
-            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group,
-            placement_group_bundle_index=bundles[0],
-            placement_group_capture_child_tasks=True,
-        )
-    if env:
-        options["runtime_env"] = {"env_vars": env}
-    return options
 
 
 class EngineClient:
