@@ -129,8 +129,16 @@ def test_cpu_engines_kv_caches_beyond_the_hosts_memory_are_refused():
 def test_cpu_engines_sharded_over_workers_need_a_core_per_worker():
     two = dataclasses.replace(CPU, cpus=2)
     assert make_plan(ppo("--vllm.tensor_parallel_size", "2"), two).group("engines").processes == 2
-    with pytest.raises(ConfigError, match=r"^--vllm.tensor_parallel_size 3: .* its node has 2; lower it$"):
+    with pytest.raises(
+        ConfigError, match=r"^--vllm.tensor_parallel_size 3: .* each engine has 2 of its node's; lower it$"
+    ):
         make_plan(ppo("--vllm.tensor_parallel_size", "3"), two)
+    two_engines = ("--vllm.tensor_parallel_size", "2", "--vllm.num_engines", "2")  # each its own share
+    with pytest.raises(
+        ConfigError, match=r"each engine has 1 of its node's; lower it \(or --vllm.num_engines\)$"
+    ):
+        make_plan(ppo(*two_engines), two)
+    make_plan(ppo(*two_engines), dataclasses.replace(CPU, cpus=4))
     pinned = ("--train.pin_cores", "true", "--vllm.tensor_parallel_size")
     with pytest.raises(
         ConfigError, match=r"each engine has 1 of the engines' pinned cores; .*pin_cores false$"

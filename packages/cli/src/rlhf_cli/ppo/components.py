@@ -19,7 +19,7 @@ from rlhf_cli.runtime.checkpoint import zero_partitioned
 from rlhf_cli.runtime.cluster import PlacementGroups
 from rlhf_cli.runtime.failures import Stops, get_all
 from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
-from rlhf_cli.runtime.placement import Plan, eager_engines
+from rlhf_cli.runtime.placement import GroupPlan, Plan, eager_engines
 from rlhf_cli.runtime.specs import GroupSpec, group_strategy
 from rlhf_cli.runtime.weight_sync import EngineWeightSync
 from rlhf_rollout import EngineClient, create_engines, engines_started
@@ -179,7 +179,7 @@ def _launch_engines(
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
         asynchronous=asynchronous and cfg.rollout.backend == "vllm",
-        cpu_cores=_engine_cores(eg.cores, cfg.vllm.num_engines, plan.resources.nodes),
+        cpu_cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.vllm.num_engines, plan.resources.nodes),
         wait=False,
     )
     started = engines_started(handles)
@@ -187,6 +187,14 @@ def _launch_engines(
         stop = functools.partial(_stop_engine, h, started=ref)
         stop_at_exit(stop, actors={h._actor_id.hex(): f"rollout engine {i}"})
     return handles, started
+
+
+def _sharded_cores(eg: GroupPlan, cfg: PPOConfig, plan: Plan) -> tuple[int, ...]:
+    """The cores the engines split among them: the plan's pinned ones; unpinned, every core of the node
+    for CPU engines sharded over workers (each engine's workers then bind cores no other engine's do)."""
+    if eg.cores or eg.threads == 0 or cfg.vllm.tensor_parallel_size == 1:
+        return eg.cores
+    return tuple(range(int(plan.resources.cpus // max(1, plan.resources.nodes))))
 
 
 def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list[int]]:

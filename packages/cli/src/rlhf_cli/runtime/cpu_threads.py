@@ -65,16 +65,18 @@ def check_engine_workers(
     groups: list[GroupPlan], resources: ClusterResources, *, tp: int, engines: int
 ) -> None:
     """CPU engines sharded over ``tp`` workers (``--vllm.tensor_parallel_size``) bind each worker to cores
-    of its own: ConfigError when an engine has fewer cores than workers (all of its node's, or when pinned
-    its share of the engines' half)."""
+    of its own, each engine to its share of its node's cores (when pinned: of the engines' half):
+    ConfigError when an engine has fewer cores than workers."""
     g = next((g for g in groups if g.name == "engines"), None)
     if g is None or tp == 1 or resources.gpus:
         return
-    per_node = -(-engines // max(1, resources.nodes))
-    cores = len(g.cores) // per_node if g.cores else int(resources.cpus // max(1, resources.nodes))
+    per_node = -(-engines // max(1, resources.nodes))  # each engine takes its share of its node's cores
+    cores = (len(g.cores) if g.cores else int(resources.cpus // max(1, resources.nodes))) // per_node
     if cores < tp:
-        has = f"each engine has {cores} of the engines' pinned cores" if g.cores else f"its node has {cores}"
-        more = " (or --vllm.num_engines), or set --train.pin_cores false" if g.cores else ""
+        where = "of the engines' pinned cores" if g.cores else "of its node's"
+        has = f"each engine has {cores} {where}"
+        more = " (or --vllm.num_engines)" if per_node > 1 else ""
+        more += ", or set --train.pin_cores false" if g.cores else ""
         raise ConfigError(
             f"--vllm.tensor_parallel_size {tp}: a CPU engine's workers need a core each, and {has}; lower it{more}"
         )
