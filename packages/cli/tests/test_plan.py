@@ -160,13 +160,39 @@ def test_a_reward_model_without_a_trained_score_head_is_refused(tmp_path, demo_m
     assert model_sizes(ppo(*flags, str(tmp_path / "rm"))).reward.value_head
 
 
-def test_a_reference_with_another_vocabulary_is_refused(tmp_path):
-    actor, ref = write_config(tmp_path / "actor"), write_config(tmp_path / "ref", vocab=320)
-    match = r"--ref.pretrain .*ref: a vocabulary of 320 tokens, the policy's has 300"
-    with pytest.raises(ConfigError, match=match):
-        model_sizes(ppo("--actor.pretrain", str(actor), "--ref.pretrain", str(ref), "--algo.kl.coef", "0.01"))
-    with pytest.raises(ConfigError, match=match):
-        model_sizes(config(DPOConfig, "--model.pretrain", str(actor), "--ref.pretrain", str(ref)))
+def test_a_model_that_reads_the_policys_tokens_otherwise_is_refused(tmp_path, demo_model_dir):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    policy = write_config(tmp_path / "policy", vocab=512)
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok.save_pretrained(policy)  # 505 tokens over an embedding of 512
+    padded = write_config(tmp_path / "padded", vocab=640)  # the same tokenizer, a padded embedding: fine
+    AutoTokenizer.from_pretrained(demo_model_dir).save_pretrained(padded)
+    small = write_config(tmp_path / "small", vocab=320)  # no tokenizer: checked by its size
+    other = write_config(tmp_path / "other", vocab=512)  # another tokenizer of the same size
+    vocab = {f"t{i}": i for i in range(512)}
+    from tokenizers import Tokenizer, models
+
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    ).save_pretrained(other)
+
+    def ppo_with(flag, folder):
+        extra = (
+            ("--algo.kl.coef", "0.01") if flag == "--ref.pretrain" else ("--algo.advantage.estimator", "gae")
+        )
+        return ppo("--actor.pretrain", str(policy), flag, str(folder), *extra)
+
+    for flag in ("--ref.pretrain", "--critic.pretrain"):
+        model_sizes(ppo_with(flag, padded))
+        with pytest.raises(
+            ConfigError, match=f"^{flag} .*small: embeds 320 tokens, fewer than the {len(tok)} of the"
+        ):
+            model_sizes(ppo_with(flag, small))
+        with pytest.raises(ConfigError, match=f"^{flag} .*other: its tokenizer is not the policy's"):
+            model_sizes(ppo_with(flag, other))
+    with pytest.raises(ConfigError, match=r"^--ref.pretrain .*small: embeds 320 tokens"):
+        model_sizes(config(DPOConfig, "--model.pretrain", str(policy), "--ref.pretrain", str(small)))
 
 
 def test_a_twice_bigger_critic_doubles_its_weights_and_optimizer_estimate():

@@ -16,6 +16,7 @@ __all__ = [
     "activation_bytes",
     "check_positions",
     "check_reward_model",
+    "check_same_tokens",
     "count_params",
     "model_shape",
     "model_sizes",
@@ -124,16 +125,36 @@ def check_reward_model(path: Path | str, flag: str = "--reward.pretrain") -> Non
         )
 
 
-def _reference(ref_dir: Path | str, policy: ModelShape) -> ModelShape:
-    """``--ref.pretrain``'s shape, refused when its vocabulary is not the policy's: the KL to it would
-    compare distributions over different tokens."""
-    ref = model_shape(ref_dir, flag="--ref.pretrain")
-    if ref.vocab != policy.vocab:
+def _tokenizer(folder: Path | str | None) -> Any | None:
+    """The folder's tokenizer; None without one (or for the built-in demo, not built yet)."""
+    from rlhf_learner.models.loading import TOKENIZER_FILES
+
+    if folder is None or not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def check_same_tokens(
+    policy_dir: Path | str | None, policy: ModelShape, other_dir: Path | str, other: ModelShape, *, flag: str
+) -> None:
+    """ConfigError naming ``flag`` when the model at ``other_dir`` (reference, critic, reward model) would
+    read the policy's token ids as other tokens: its tokenizer's vocabulary is not the policy's, or it
+    embeds fewer tokens than the policy's tokenizer has. One tokenizer over embeddings padded to different
+    sizes passes."""
+    mine, theirs = _tokenizer(policy_dir), _tokenizer(other_dir)
+    if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
         raise ConfigError(
-            f"--ref.pretrain {ref_dir}: a vocabulary of {ref.vocab} tokens, the policy's has {policy.vocab}: "
-            "the KL to it would compare different tokens; give a reference with the policy's tokenizer"
+            f"{flag} {other_dir}: its tokenizer is not the policy's, so it would read the policy's token ids "
+            "as other tokens; give a model with the policy's tokenizer"
         )
-    return ref
+    needed = len(mine) if mine is not None else policy.vocab
+    if other.vocab < needed:
+        raise ConfigError(
+            f"{flag} {other_dir}: embeds {other.vocab} tokens, fewer than the {needed} of the policy's "
+            "vocabulary; give a model with the policy's tokenizer"
+        )
 
 
 def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = None) -> ModelSizes:
@@ -145,7 +166,10 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         policy = actor_dir if actor_dir is not None else cfg.model.pretrain
         ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
         actor = model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain")
-        return ModelSizes(actor=actor, ref=_reference(ref_dir, actor) if ref_dir else None)
+        ref = model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None
+        if ref is not None:
+            check_same_tokens(policy, actor, ref_dir, ref, flag="--ref.pretrain")
+        return ModelSizes(actor=actor, ref=ref)
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
     actor = model_shape(policy)
     critic: ModelShape | None = None
@@ -155,10 +179,18 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
         critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
     if cfg.uses_reference and cfg.ref.pretrain:
-        ref = _reference(cfg.ref.pretrain, actor)
+        ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
     if cfg.reward.source == "model":
         reward = model_shape(cfg.reward.pretrain, value_head=True, flag="--reward.pretrain")
         check_reward_model(cfg.reward.pretrain)
+    others = {
+        "--critic.pretrain": (cfg.critic.pretrain, critic),
+        "--ref.pretrain": (cfg.ref.pretrain, ref),
+        "--reward.pretrain": (cfg.reward.pretrain, reward),
+    }
+    for flag, (folder, shape) in others.items():  # each reads the policy's token ids
+        if folder is not None and shape is not None:
+            check_same_tokens(policy, actor, folder, shape, flag=flag)
     return ModelSizes(actor=actor, critic=critic, ref=ref, reward=reward)
 
 
