@@ -337,6 +337,11 @@ def test_bad_flags_fail_in_one_line_naming_the_flag(args, expected):
             ["ppo", "--micro_batch_size", "2"],
             "did you mean --train.micro_batch_size?",
         ),  # not the hidden --ds one
+        (
+            ["ppo", "--use_wandb", "key"],
+            "OpenRLHF's --use_wandb is --logger.wandb_project here (the project; the API key goes in WANDB_API_KEY)",
+        ),
+        (["ppo", "--datapath", "p.jsonl"], "did you mean --data.path?"),  # close, though no shared word
     ],
 )
 def test_openrlhf_flags_are_told_their_names_here(args, expected):
@@ -346,12 +351,13 @@ def test_openrlhf_flags_are_told_their_names_here(args, expected):
 def test_every_openrlhf_flag_maps_to_a_flag_a_command_has_and_unrelated_flags_get_no_suggestion():
     from rlhf_cli.config import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
     from rlhf_cli.config.loading import iter_fields
-    from rlhf_cli.config.openrlhf_names import OPENRLHF_FLAGS
+    from rlhf_cli.config.openrlhf_names import OPENRLHF_FLAGS, OPENRLHF_NOTES
 
     ours = {
         f.path for cls in (PPOConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig) for f in iter_fields(cls)
     }
     assert not {c for cands in OPENRLHF_FLAGS.values() for c in cands} - ours
+    assert set(OPENRLHF_NOTES) <= set(OPENRLHF_FLAGS)
     assert cli_error("ppo", "--log.eval_steps", "3") == "error: unknown flag --log.eval_steps"
 
 

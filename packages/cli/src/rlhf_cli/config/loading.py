@@ -161,12 +161,17 @@ def _words(path: str) -> set[str]:
     return set(path.replace(".", "_").split("_"))
 
 
+def _near(a: str, b: str) -> bool:
+    """Nearly the same letters once the separators are gone (``datapath``, ``data.path``)."""
+    squash = str.maketrans("", "", "._")
+    return difflib.SequenceMatcher(None, a.translate(squash), b.translate(squash)).ratio() >= 0.85
+
+
 def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
-    """The closest valid key (difflib) that shares a word with ``path`` (``--log.eval_steps`` is not
-    ``--algo.clip.value_eps``), else one with ``path``'s last segment."""
-    close = [c for c in difflib.get_close_matches(path, valid, n=5, cutoff=0.6) if _words(path) & _words(c)][
-        :1
-    ]
+    """The closest valid key (difflib) that shares a word with ``path`` or nearly all its letters
+    (``--log.eval_steps`` is not ``--algo.clip.value_eps``), else one with ``path``'s last segment."""
+    close = difflib.get_close_matches(path, valid, n=5, cutoff=0.6)
+    close = [c for c in close if _words(path) & _words(c) or _near(path, c)][:1]
     if not close:
         # try the last segment alone (e.g. --lr for --actor.lr)
         leaf = path.rsplit(".", 1)[-1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["OPENRLHF_FLAGS", "openrlhf_hint"]
+__all__ = ["OPENRLHF_FLAGS", "OPENRLHF_NOTES", "openrlhf_hint"]
 
 _GROUPS = ("actor", "critic", "ref", "reward")
 
@@ -127,8 +127,23 @@ OPENRLHF_FLAGS: dict[str, tuple[str, ...]] = {
 """OpenRLHF flag (without ``--``) -> this CLI's candidates, in order of preference."""
 
 
+OPENRLHF_NOTES: dict[str, str] = {
+    "num_episodes": "training steps, not passes over the prompts",
+    "prompt_max_len": "prompt + response",
+    "max_len": "prompt + response",
+    "use_wandb": "the project; the API key goes in WANDB_API_KEY",
+    "bf16": "bf16 or fp32",
+    "flash_attn": "flash_attention_2",
+    "eps_clip": "and --algo.clip.eps_high",
+    "async_train": "the staleness bound, e.g. 1",
+    "vllm_enable_sleep": "the level, 1 or 2",
+}
+"""What differs in meaning or value, said after the name."""
+
+
 def openrlhf_hint(name: str, valid: Collection[str]) -> str | None:
-    """``"; OpenRLHF's --{name} is --{ours} here"`` for an OpenRLHF flag whose counterpart the command has
-    (``valid``: its dotted flags), else None."""
+    """``"; OpenRLHF's --{name} is --{ours} here"`` (and what differs, ``OPENRLHF_NOTES``) for an OpenRLHF
+    flag whose counterpart the command has (``valid``: its dotted flags), else None."""
     ours = next((c for c in OPENRLHF_FLAGS.get(name, ()) if c in valid), None)
-    return f"; OpenRLHF's --{name} is --{ours} here" if ours else None
+    note = f" ({OPENRLHF_NOTES[name]})" if name in OPENRLHF_NOTES else ""
+    return f"; OpenRLHF's --{name} is --{ours} here{note}" if ours else None
