@@ -93,6 +93,17 @@ def test_dotted_flags_fill_the_tree_with_types():
         ),
         (["--train.freeze_actor_steps", "2"], "--train.freeze_actor_steps trains the critic alone first"),
         (
+            [
+                "--train.freeze_actor_steps",
+                "5",
+                "--train.num_steps",
+                "5",
+                "--algo.advantage.estimator",
+                "gae",
+            ],
+            "--train: freeze_actor_steps 5 leaves the actor none of the run's 5 steps",
+        ),
+        (
             ["--eval.n_samples", "4"],
             "--eval: n_samples 4: greedy answers (--eval.temperature 0) are all the same",
         ),

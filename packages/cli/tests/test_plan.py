@@ -90,8 +90,7 @@ def test_each_group_is_sized_from_its_own_folder(tmp_path):
     assert plain.critic.params == plain.actor.params + 64 and plain.ref is None
 
 
-def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_path):
     actor = write_config(tmp_path / "actor", positions=1024)
     critic = write_config(tmp_path / "critic", positions=256)
     with pytest.raises(ConfigError, match=r"^--vllm.max_model_len 2000 is longer than the policy's 1024 pos"):
@@ -102,8 +101,6 @@ def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_pa
         ConfigError, match=r"critic's 256 positions .*; set --vllm.max_model_len 256 or less$"
     ):
         make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "512", *gae), CPU)
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override is honoured
-    make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "2000"), CPU)
     sft = config(SFTConfig, "--model.pretrain", str(critic), "--data.max_len", "300")
     with pytest.raises(ConfigError, match=r"^--data.max_len 300 is longer than the model's 256 positions"):
         make_offline_plan(sft, CPU, with_ref=False)

@@ -930,7 +930,12 @@ def test_an_agents_requests_sample_as_the_run_says_whatever_they_ask():
 def test_sampled_evaluation_counts_passing_answers_and_prompts_with_one():
     from rlhf_cli.ppo.evaluation import pass_metrics
 
-    scores = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1.0]  # 3 prompts x 3 answers, prompt-major
-    assert pass_metrics(scores, n=3, threshold=1.0) == {"eval/pass_rate": 3 / 9, "eval/pass_at_n": 2 / 3}
-    assert pass_metrics(scores, n=3, threshold=0.5)["eval/pass_rate"] == 4 / 9
-    assert pass_metrics(scores, n=1, threshold=1.0) == {"eval/pass_rate": 3 / 9}  # greedy: no pass@n
+    scores = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1.0]
+    prompts = [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 prompts x 3 answers
+    got = pass_metrics(scores, prompts, several=True, threshold=1.0)
+    assert got == {"eval/pass_rate": 3 / 9, "eval/pass_at_n": 2 / 3}
+    assert pass_metrics(scores, prompts, several=True, threshold=0.5)["eval/pass_rate"] == 4 / 9
+    assert pass_metrics(scores, prompts, several=False, threshold=1.0) == {"eval/pass_rate": 3 / 9}  # greedy
+    # an agent's episode gave prompt 0 four trajectories: prompts are counted, not positions
+    got = pass_metrics([0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0, 0, 0, 0, 1, 1], several=True, threshold=1.0)
+    assert got["eval/pass_at_n"] == 1 / 2

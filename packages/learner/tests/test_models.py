@@ -120,6 +120,11 @@ def test_a_score_head_is_found_in_the_weights_headers_sharded_or_not(tiny_model_
     rm.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert has_score_head(tmp_path / "rm") and has_score_head(tmp_path / "sharded")
+    rm.save_pretrained(tmp_path / "bin", safe_serialization=False)  # no headers: its architectures say
+    AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).save_pretrained(
+        tmp_path / "lm_bin", safe_serialization=False
+    )
+    assert has_score_head(tmp_path / "bin") and not has_score_head(tmp_path / "lm_bin")
 
 
 def test_critic_values_and_reward_at_last_real_token(tiny_model_dir, tmp_path):

@@ -131,8 +131,7 @@ def create_engines(
 
     ``env_vars`` go into every actor's ``runtime_env`` (e.g. ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``:
     a CPU vLLM engine's torch threads, by default ``num_cpus_per_engine`` rounded). ``cpu_cores``: per
-    engine, the cores of its node it is bound to (:func:`pin_to_cores`).
-    """
+    engine, the cores of its node it is bound to (:func:`pin_to_cores`)."""
     import ray
 
     from rlhf_rollout.async_vllm_engine import AsyncEngineActor

@@ -50,7 +50,7 @@ class VLLMConfig(Section):
     max_model_len: int = Field(512, ge=16)
     """Longest prompt + response an engine holds."""
     kv_cache_gib: int = Field(1, ge=1)
-    """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    """KV-cache size of each engine process on CPU (each worker of a sharded engine; VLLM_CPU_KVCACHE_SPACE)."""
     enable_prefix_caching: bool = True
     """Reuse cached prompt KV (reset after every weight update)."""
     sleep_level: Literal[1, 2] = 1

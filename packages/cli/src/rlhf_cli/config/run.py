@@ -158,6 +158,15 @@ class TrainConfig(Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     """Asynchronous training: generation overlapping the updates."""
 
+    @model_validator(mode="after")
+    def _actor_trains(self) -> TrainConfig:
+        if self.freeze_actor_steps and self.freeze_actor_steps >= self.num_steps:
+            raise ValueError(
+                f"freeze_actor_steps {self.freeze_actor_steps} leaves the actor none of the run's "
+                f"{self.num_steps} steps (--train.num_steps)"
+            )
+        return self
+
 
 class DataConfig(Section):
     path: Path | None = None

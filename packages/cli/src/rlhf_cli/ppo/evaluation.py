@@ -46,20 +46,25 @@ def evaluate(
                 packing=False,
             )
         ]
+    prompts_of = [t.prompt_index for t in trajs]  # an agent's episode may give several trajectories
     return {"eval/reward_mean": sum(scores) / len(scores)} | pass_metrics(
-        scores, n=e.n_samples, threshold=e.pass_threshold
+        scores, prompts_of, several=e.n_samples > 1, threshold=e.pass_threshold
     )
 
 
-def pass_metrics(scores: Sequence[float], *, n: int, threshold: float) -> dict[str, float]:
-    """From ``n`` answers' scores per prompt, prompt-major (prompt i's at ``i*n .. i*n+n-1``), an answer
-    passing when its score is at least ``threshold``: ``eval/pass_rate``, the passing answers' fraction
-    (mean@n), and for ``n > 1`` ``eval/pass_at_n``, the fraction of prompts with a passing answer."""
+def pass_metrics(
+    scores: Sequence[float], prompts: Sequence[int], *, several: bool, threshold: float
+) -> dict[str, float]:
+    """From the answers' ``scores`` and the prompt each answers (``prompts``), an answer passing when its
+    score is at least ``threshold``: ``eval/pass_rate``, the passing answers' fraction (mean@n), and with
+    ``several`` answers per prompt ``eval/pass_at_n``, the fraction of prompts with a passing answer."""
     passed = [s >= threshold for s in scores]
     out = {"eval/pass_rate": sum(passed) / len(passed)}
-    if n > 1:
-        per_prompt = [any(passed[i : i + n]) for i in range(0, len(passed), n)]
-        out["eval/pass_at_n"] = sum(per_prompt) / len(per_prompt)
+    if several:
+        by_prompt: dict[int, bool] = {}
+        for p, ok in zip(prompts, passed, strict=True):
+            by_prompt[p] = by_prompt.get(p, False) or ok
+        out["eval/pass_at_n"] = sum(by_prompt.values()) / len(by_prompt)
     return out
 
 

@@ -103,8 +103,8 @@ def model_shape(
 
 def check_positions(length: int, flag: str, models: dict[str, ModelShape | None]) -> None:
     """ConfigError when sequences of ``length`` tokens (``flag``) are longer than a model's config allows
-    (``ModelShape.positions``): caught in the plan in one line rather than by vLLM in an engine's start-up, or
-    not at all by a learner (positions past a RoPE model's range give silently wrong log-probs)."""
+    (``ModelShape.positions``): caught in the plan, in one line, rather than by vLLM in each engine's
+    start-up or by a learner rank at the first long sequence."""
     for who, shape in models.items():
         if shape is not None and shape.positions is not None and length > shape.positions:
             raise ConfigError(

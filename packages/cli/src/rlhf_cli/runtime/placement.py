@@ -5,7 +5,6 @@ it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,14 +344,13 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     On GPU a learner micro-batch is ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len``
     tokens (prompt + response)."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
-    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() not in ("1", "true"):  # as vLLM
-        models = {
-            "policy": sizes.actor,
-            "critic": sizes.critic,
-            "reference": sizes.ref,
-            "reward model": sizes.reward,
-        }
-        check_positions(cfg.vllm.max_model_len, "--vllm.max_model_len", models)
+    models = {
+        "policy": sizes.actor,
+        "critic": sizes.critic,
+        "reference": sizes.ref,
+        "reward model": sizes.reward,
+    }
+    check_positions(cfg.vllm.max_model_len, "--vllm.max_model_len", models)
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
     load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None
