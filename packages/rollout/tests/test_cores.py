@@ -50,3 +50,19 @@ def test_a_sharded_cpu_engine_gives_each_worker_a_run_of_its_cores():
         assert max(map(len, runs)) - min(map(len, runs)) <= 1
     with pytest.raises(ValueError, match=f"a CPU engine needs a core per worker, it has {len(allowed)}"):
         split_for_workers(len(allowed) + 1)
+
+
+def test_cores_are_ordered_so_that_halves_and_runs_hold_whole_physical_cores():
+    from rlhf_rollout.cores import in_topology_order
+
+    smt = {cpu: (0, cpu % 4) for cpu in range(8)}  # 4 cores, threads i and i + 4 (Linux's usual numbering)
+    order = in_topology_order(range(8), lambda cpu: smt[cpu])
+    assert order == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert {smt[c] for c in order[:4]}.isdisjoint({smt[c] for c in order[4:]})  # engines' half, learners'
+    two_sockets = {0: (1, 0), 1: (0, 0), 2: (1, 1), 3: (0, 1)}
+    assert in_topology_order([0, 1, 2, 3], lambda cpu: two_sockets[cpu]) == [1, 3, 0, 2]
+
+    def unreadable(cpu):
+        raise OSError("no sysfs")
+
+    assert in_topology_order([3, 1, 2], unreadable) == [1, 2, 3]

@@ -94,7 +94,9 @@ class LearnerWorker:
 
         spec = self.spec
         if os.environ.get("RLHF_CPU_CORES"):  # the plan's cores (engines have the others)
-            allowed = sorted(os.sched_getaffinity(0))
+            from rlhf_rollout.cores import allowed_cores  # the engines' order: whole physical cores apart
+
+            allowed = allowed_cores()
             picked = {allowed[int(i) % len(allowed)] for i in os.environ["RLHF_CPU_CORES"].split(",")}
             os.sched_setaffinity(0, picked)
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the plan's threads (Ray's default is 1)
