@@ -137,13 +137,13 @@ def _tokenizer(folder: Path | str | None) -> Any | None:
 
 
 def check_same_tokens(
-    policy_dir: Path | str | None, policy: ModelShape, other_dir: Path | str, other: ModelShape, *, flag: str
+    mine: Any | None, policy: ModelShape, other_dir: Path | str, other: ModelShape, *, flag: str
 ) -> None:
     """ConfigError naming ``flag`` when the model at ``other_dir`` (reference, critic, reward model) would
-    read the policy's token ids as other tokens: its tokenizer's vocabulary is not the policy's, or it
-    embeds fewer tokens than the policy's tokenizer has. One tokenizer over embeddings padded to different
-    sizes passes."""
-    mine, theirs = _tokenizer(policy_dir), _tokenizer(other_dir)
+    read the policy's token ids as other tokens: its tokenizer's vocabulary is not the policy's (``mine``,
+    loaded once by the caller; None: unknown), or it embeds fewer tokens than the policy's tokenizer has.
+    One tokenizer over embeddings padded to different sizes passes."""
+    theirs = _tokenizer(other_dir)
     if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
         raise ConfigError(
             f"{flag} {other_dir}: its tokenizer is not the policy's, so it would read the policy's token ids "
@@ -168,7 +168,7 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         actor = model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain")
         ref = model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None
         if ref is not None:
-            check_same_tokens(policy, actor, ref_dir, ref, flag="--ref.pretrain")
+            check_same_tokens(_tokenizer(policy), actor, ref_dir, ref, flag="--ref.pretrain")
         return ModelSizes(actor=actor, ref=ref)
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
     actor = model_shape(policy)
@@ -188,9 +188,10 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         "--ref.pretrain": (cfg.ref.pretrain, ref),
         "--reward.pretrain": (cfg.reward.pretrain, reward),
     }
-    for flag, (folder, shape) in others.items():  # each reads the policy's token ids
-        if folder is not None and shape is not None:
-            check_same_tokens(policy, actor, folder, shape, flag=flag)
+    given = {flag: (f, shape) for flag, (f, shape) in others.items() if f is not None and shape is not None}
+    mine = _tokenizer(policy) if given else None  # loaded once for all of them
+    for flag, (folder, shape) in given.items():  # each reads the policy's token ids
+        check_same_tokens(mine, actor, folder, shape, flag=flag)
     return ModelSizes(actor=actor, critic=critic, ref=ref, reward=reward)
 
 
