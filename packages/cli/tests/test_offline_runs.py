@@ -323,3 +323,69 @@ def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model
     assert all(x.attention == "rlhf_ring_attention" for x in sp.layouts["model"])
     assert [(x.data_parallel_size, x.tensor_parallel_size) for x in tp.layouts["model"]] == [(1, 2)] * 2
     assert all(x.local_params < whole.local_params * 0.8 for x in tp.layouts["model"])  # matrices split
+
+
+def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, data, tmp_path):
+    """Same seed and data, fp32: ``--ds.backend fsdp2`` gives DeepSpeed's losses, SFT on one rank (ZeRO-0
+    there) and DPO on two ranks (policy and reference sharded: ZeRO-3 against full sharding)."""
+    sft = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
+    ds = rows(run(SFTConfig, "sft", tmp_path / "sft_ds", *sft).run_dir)
+    fsdp2 = run(SFTConfig, "sft", tmp_path / "sft_fsdp2", *sft, "--ds.backend", "fsdp2")
+    got = rows(fsdp2.run_dir)
+    assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in ds], rel=1e-5)
+    assert got[-1]["train/loss"] < got[0]["train/loss"]
+    from transformers import AutoModelForCausalLM
+
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(fsdp2.final_model).parameters()) > 0
+    dpo = [
+        *on(demo_model_dir, data / "preferences.jsonl"),
+        "--train.batch_size",
+        "16",
+        "--train.max_steps",
+        "2",
+    ]
+    dpo += ["--eval.every", "0", "--ds.zero_stage", "3"]
+    dpo += ["--model.num_devices_per_node", "2", "--ref.num_devices_per_node", "2"]
+    ds = rows(run(DPOConfig, "dpo", tmp_path / "dpo_ds", *dpo).run_dir)
+    two = run(DPOConfig, "dpo", tmp_path / "dpo_fsdp2", *dpo, "--ds.backend", "fsdp2")
+    got = rows(two.run_dir)
+    assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in ds], rel=1e-5)
+    assert [x.local_params for x in two.layouts["model"]] == [two.layouts["model"][0].local_params] * 2
+
+
+def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(
+    ray_cluster, demo_model_dir, data, tmp_path
+):
+    """An fsdp2 SFT run on two ranks checkpointed every step; resumed from step 1 on two ranks it ends on
+    the uninterrupted run's weights bit for bit; on one rank (the checkpoint resharded), within fp32's
+    reduction-order noise."""
+    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
+    flags += [
+        "--ds.backend",
+        "fsdp2",
+        "--ckpt.save_steps",
+        "1",
+        "--ckpt.max_keep",
+        "3",
+        "--eval.every",
+        "0",
+        "--train.micro_batch_size",
+        "4",
+    ]
+    full = run(SFTConfig, "sft", tmp_path / "full", *flags, "--model.num_devices_per_node", "2")
+    a = rows(full.run_dir)
+    expected = weights(full.final_model)
+    for ranks in ("2", "1"):
+        resume_from(full.run_dir, tmp_path / ranks, 1)
+        again = run(SFTConfig, "sft", tmp_path / ranks, *flags, "--model.num_devices_per_node", ranks,
+                    "--ckpt.load_enable")  # fmt: skip
+        b = rows(again.run_dir)
+        assert [r["step"] for r in b] == [2, 3]
+        got = weights(again.final_model)
+        if ranks == "2":
+            assert [r["train/loss"] for r in b] == [r["train/loss"] for r in a[1:]]
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+        else:
+            assert [r["train/loss"] for r in b] == pytest.approx([r["train/loss"] for r in a[1:]], rel=1e-5)
+            for k in expected:
+                torch.testing.assert_close(got[k], expected[k], atol=1e-5, rtol=0)

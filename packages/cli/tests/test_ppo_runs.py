@@ -254,6 +254,20 @@ def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_e
         assert r["actor/optimizer_steps"] == 2 and "actor/clip_frac" in r
 
 
+def test_grpo_on_fsdp2_reaches_deepspeeds_run_and_syncs_into_vllm(tmp_path, one_engine, demo_model_dir):
+    """Same seed, prompts and engine, fp32: an fsdp2 actor and reference give DeepSpeed's GRPO run (the
+    same samples, rewards and losses), and its weights reach the vLLM-CPU engine exactly enough that the
+    engine's log-probs of its own samples are the learner's."""
+    flags = ["--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator=group_norm",
+             "--algo.kl.coef=0.05", "--algo.kl.use_loss"]  # fmt: skip
+    ds = check_run(ppo(tmp_path / "ds", one_engine, *flags))
+    fsdp2 = check_run(ppo(tmp_path / "fsdp2", one_engine, *flags, "--ds.backend=fsdp2"))
+    for a, b in zip(ds, fsdp2, strict=True):
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        assert b["actor/loss"] == pytest.approx(a["actor/loss"], rel=1e-5, abs=1e-7)
+        assert b["sync/logp_mismatch_max"] < 1e-4
+
+
 def test_a_reference_overlapping_the_update_gives_the_run_of_one_scored_first(
     tmp_path, one_engine, demo_model_dir
 ):

@@ -27,15 +27,25 @@ def _free_port() -> int:
     return free_port()
 
 
-def run_ranks(world: int, model_dir: Path, out: Path, timeout_s: float = 400) -> list[dict]:
-    """Run ``multirank_worker.py`` as ``world`` processes over gloo on 127.0.0.1; return each rank's results."""
+def run_ranks(
+    world: int,
+    model_dir: Path,
+    out: Path,
+    timeout_s: float = 400,
+    *,
+    worker: Path = WORKER,
+    args: tuple[str, ...] = (),
+    results: str = "results",
+) -> list[dict]:
+    """Run ``worker`` (default ``multirank_worker.py``) as ``world`` processes over gloo on 127.0.0.1 with
+    ``args``; return each rank's results (``out/<results>_w<world>_r<rank>.json``)."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
-                str(WORKER),
+                str(worker),
                 "--rank",
                 str(r),
                 "--world",
@@ -46,6 +56,7 @@ def run_ranks(world: int, model_dir: Path, out: Path, timeout_s: float = 400) ->
                 str(model_dir),
                 "--out",
                 str(out),
+                *args,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,7 +76,7 @@ def run_ranks(world: int, model_dir: Path, out: Path, timeout_s: float = 400) ->
     for r, p in enumerate(procs):
         if p.returncode != 0:
             raise AssertionError(f"rank {r}/{world} failed (exit {p.returncode}):\n{logs[r][-4000:]}")
-    return [json.loads((out / f"results_w{world}_r{r}.json").read_text()) for r in range(world)]
+    return [json.loads((out / f"{results}_w{world}_r{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +93,19 @@ def multirank(tiny_model_dir, tmp_path_factory):
 def multirank4(multirank, tiny_model_dir):
     """A 4-rank run of sequence-parallel SFT only: 2 data-parallel groups of 2 sequence-parallel ranks."""
     return run_ranks(4, tiny_model_dir, multirank["out"])
+
+
+@pytest.fixture(scope="session")
+def fsdp2_runs(multirank, tiny_model_dir):
+    """The fsdp2 backend on 1 and 2 ranks (training, checkpoint, export, sequence parallel, LoRA), then
+    each world size resuming the other's checkpoint; beside ``multirank``'s DeepSpeed runs."""
+    out = multirank["out"]
+    worker = WORKER.with_name("fsdp2_worker.py")
+    runs = {}
+    for world in (1, 2):
+        runs[f"w{world}"] = run_ranks(world, tiny_model_dir, out, worker=worker, results="fsdp2_train")
+    for world in (1, 2):
+        runs[f"resume_w{world}"] = run_ranks(
+            world, tiny_model_dir, out, worker=worker, args=("--scenario", "resume"), results="fsdp2_resume"
+        )
+    return {"out": out, **runs}

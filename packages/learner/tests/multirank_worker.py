@@ -29,7 +29,7 @@ from rlhf_learner.steps import (
     reference_logp,
     reference_sequence_logp,
 )
-from rlhf_learner.strategy import Strategy, StrategyOptions
+from rlhf_learner.strategy import Strategy, StrategyOptions, make_strategy
 
 LENGTHS = [12, 20, 9, 16, 24, 7, 18, 11]
 GAS = 2
@@ -273,7 +273,7 @@ def packed_ring_checks(model_dir: str, g: torch.Generator) -> dict:
     return res
 
 
-def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
+def sequence_parallel_sft(model_dir: str, world: int, out: Path, backend: str = "deepspeed") -> dict:
     """SFT steps on 4 rows where the ranks of a sequence-parallel group (2 ranks, or 1 in a world of
     one) get the same rows and split each sequence with ring attention: world 2 is one group holding
     all rows; world 4 is two data-parallel groups of 2 holding 2 rows each (the second group does
@@ -281,9 +281,10 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     from rlhf_algos import sft_loss
     from rlhf_learner.steps import sft_step
 
-    strategy = Strategy(
-        StrategyOptions(zero_stage=2 if world > 1 else 0, lr=1e-3, sequence_parallel_size=min(world, 2))
+    options = StrategyOptions(
+        backend=backend, zero_stage=2 if world > 1 else 0, lr=1e-3, sequence_parallel_size=min(world, 2)
     )
+    strategy = make_strategy(options)
     strategy.setup_distributed()
     import torch.distributed as dist
 
@@ -298,7 +299,7 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     mb["loss_mask"] = mb.pop("action_mask")
     mb = SFTBatch(**mb)
     # A frozen reference on the same group: the same log-probs as the whole sequence on one rank.
-    frozen = Strategy(strategy.options.for_inference())
+    frozen = make_strategy(strategy.options.for_inference())
     ref = frozen.prepare(load_reference(model_dir, sequence_parallel_group=group), train=False)
     full = reference_logp(load_reference(model_dir), mb)
     ref_diff = ((reference_logp(ref, mb) - full) * mb.attention_mask).abs().max().item()  # padding aside
@@ -310,7 +311,8 @@ def sequence_parallel_sft(model_dir: str, world: int, out: Path) -> dict:
     }
     state = strategy.full_state_dict(engine.module.model)
     if dist.get_rank() == 0:
-        torch.save(state, out / f"weights_sp_w{world}.pt")
+        suffix = "" if backend == "deepspeed" else f"_{backend}"
+        torch.save(state, out / f"weights_sp_w{world}{suffix}.pt")
     return res
 
 
@@ -384,19 +386,25 @@ def kto(model_dir: str, rank: int, world: int) -> dict:
     }
 
 
-def main() -> None:
+def join_from_args(*extra: str) -> argparse.Namespace:
+    """Parse a worker's command line (``--rank --world --port --model --out`` plus ``extra`` options with
+    a value) and join the gloo group it names."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
+    for name in ("--rank", "--world", "--port"):
+        ap.add_argument(name, type=int, required=True)
+    for name in ("--model", "--out", *extra):
+        ap.add_argument(name, required=name in ("--model", "--out"))
     args = ap.parse_args()
     from rlhf_learner.strategy import init_distributed
 
     init_distributed(
         rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.port, timeout_s=120
     )
+    return args
+
+
+def main() -> None:
+    args = join_from_args()
     out = Path(args.out)
     results: dict = {}
     if args.world == 4:

@@ -206,3 +206,88 @@ def test_kto_reference_point_is_gathered_over_ranks(multirank):
         assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
         assert got["kl_baseline"] == pytest.approx(ref["kl_baseline"], abs=1e-5)
         assert abs(got["local_kl_baseline_step1"] - ref["kl_baseline"][0]) > 0.1
+
+
+# --- the fsdp2 backend on 1 and 2 ranks, beside DeepSpeed's runs -------------------------------
+
+REL = 1e-5
+
+
+def _weights(out, name):
+    return torch.load(out / f"{name}.pt")
+
+
+def _assert_close_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_TOL, rtol=0, msg=k)
+
+
+def test_fsdp2_on_one_rank_matches_deepspeed_zero0(multirank, fsdp2_runs):
+    ds = multirank["w1"][0]["z0"]
+    got = fsdp2_runs["w1"][0]["train"]
+    assert got["losses"] == pytest.approx(ds["losses"], rel=REL)
+    assert got["grad_norms"] == pytest.approx(ds["grad_norms"], rel=1e-4)
+    assert got["losses"][-1] < got["losses"][0] - 0.05  # it trained
+    _assert_close_weights(
+        _weights(fsdp2_runs["out"], "weights_fsdp2_w1"), _weights(multirank["out"], "weights_z0_w1")
+    )
+
+
+def test_fsdp2_on_two_ranks_matches_zero3_and_one_rank(multirank, fsdp2_runs):
+    out = fsdp2_runs["out"]
+    for rank, result in enumerate(fsdp2_runs["w2"]):
+        got = result["train"]
+        assert got["losses"] == pytest.approx(multirank["w2"][rank]["z3"]["losses"], rel=REL)
+        assert got["losses"] == pytest.approx(fsdp2_runs["w1"][0]["train"]["losses"], rel=REL)
+        assert got["local_numel"] == 512 * 128 // 2 and got["gathered_shape"] == [512, 128]  # sharded
+    _assert_close_weights(_weights(out, "weights_fsdp2_w2"), _weights(out, "weights_fsdp2_w1"))
+    _assert_close_weights(_weights(out, "weights_fsdp2_w2"), _weights(multirank["out"], "weights_z3_w2"))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_checkpoint_resume_equals_uninterrupted(fsdp2_runs, world):
+    for result in fsdp2_runs[f"w{world}"]:
+        got = result["train"]
+        assert got["caller_state"] == {"step": 2}
+        assert got["rand_after_load"] == got["rand_after_save"]
+        assert got["resumed_loss"] == got["losses"][2]
+        assert got["resumed_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_checkpoint_resumes_on_another_number_of_ranks(fsdp2_runs, world):
+    """``world`` ranks load the other world size's step-2 checkpoint: the same weights, the same
+    optimizer state (the next step's loss is the uninterrupted run's) and step count."""
+    source = fsdp2_runs[f"w{3 - world}"][0]["train"]
+    for result in fsdp2_runs[f"resume_w{world}"]:
+        got = result["resume"]
+        assert got["loaded_max_diff"] == 0.0
+        assert got["resumed_loss"] == pytest.approx(source["losses"][2], rel=REL)
+        assert got["optimizer_steps"] == 3
+
+
+def test_fsdp2_export_loads_in_transformers_with_the_trained_weights(fsdp2_runs):
+    from transformers import AutoModelForCausalLM
+
+    out = fsdp2_runs["out"]
+    assert not (out / "fsdp2_export_w2_r1").exists()  # rank 1 gathered but never wrote
+    model = AutoModelForCausalLM.from_pretrained(out / "fsdp2_export_w2")
+    trained = _weights(out, "weights_fsdp2_w2")
+    for name, p in model.state_dict().items():
+        if name in trained:
+            torch.testing.assert_close(p, trained[name], atol=0, rtol=0, msg=name)
+
+
+def test_sequence_parallel_on_fsdp2_matches_deepspeed(multirank, fsdp2_runs):
+    for rank, result in enumerate(fsdp2_runs["w2"]):
+        got = result["sp"]
+        assert got["group_size"] == 2
+        assert got["ref_logp_diff"] < 1e-5
+        assert got["losses"] == pytest.approx(multirank["w2"][rank]["sp"]["losses"], rel=REL)
+
+
+def test_lora_on_packed_rows_trains_alike_on_both_backends(fsdp2_runs):
+    lora = fsdp2_runs["w1"][0]["lora"]
+    assert lora["fsdp2"]["losses"] == pytest.approx(lora["deepspeed"]["losses"], rel=REL)
+    assert lora["fsdp2"]["losses"][-1] < lora["fsdp2"]["losses"][0] - 0.2

@@ -200,10 +200,10 @@ def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> tuple[Buck
 def alias_key(tensor: torch.Tensor) -> object:
     """Two tensors with equal keys are the same storage seen through the same view (tied weights).
 
-    Empty tensors (e.g. ZeRO-3 partitions before gathering) are keyed by identity, so only the very
-    same parameter object counts as tied.
+    Empty tensors (e.g. ZeRO-3 partitions before gathering) and tensors without storage of their own
+    (FSDP2's sharded DTensors) are keyed by identity, so only the very same parameter object counts as tied.
     """
-    if tensor.numel() == 0:
+    if tensor.numel() == 0 or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return ("id", id(tensor))
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 

@@ -37,8 +37,10 @@ DEFAULT_BUCKET_BYTES: dict[str, int] = {
 broadcasts amortise their per-call cost over larger ones."""
 
 GatherFn = Callable[[list[torch.Tensor]], AbstractContextManager]
-"""``gather(params)`` returns a context manager inside which ``params`` hold their full data, e.g.
-``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3. Applied once per bucket."""
+"""``gather(params)`` returns a context manager inside which ``params`` hold their full data (it yields
+None), e.g. ``lambda ps: deepspeed.zero.GatheredParameters(ps)`` for ZeRO-3; or which yields the full
+tensors, in ``params``' order (FSDP2's sharded DTensors: ``[p.full_tensor() for p in ps]``). Applied once
+per bucket."""
 
 
 class WeightSender(Endpoint):
@@ -173,8 +175,8 @@ class WeightSender(Endpoint):
             for index, bucket in enumerate(manifest.buckets):
                 buf = self._transport.acquire(index)
                 params = list({id(sources[p.tensor]): sources[p.tensor] for p in bucket.pieces}.values())
-                with gather(params) if gather is not None else contextlib.nullcontext():
-                    _pack(buf, bucket, specs, sources)
+                with gather(params) if gather is not None else contextlib.nullcontext() as full:
+                    _pack(buf, bucket, specs, _whole(sources, params, full))
                 self._transport.post(index)
             self._transport.flush()
             rdv.wait_ranks(
@@ -199,6 +201,18 @@ class WeightSender(Endpoint):
         self._sync += 1
         self._version = version  # a failed sync may have been partly loaded: its version is used up
         return failures
+
+
+def _whole(
+    sources: list[torch.Tensor], params: list[torch.Tensor], full: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """``sources`` with each of ``params`` replaced by its full tensor where a gather yielded them."""
+    if full is None:
+        return sources
+    if len(full) != len(params):
+        raise ValueError(f"gather: yielded {len(full)} tensors for {len(params)} parameters")
+    swap = {id(p): f for p, f in zip(params, full, strict=True)}
+    return [swap.get(id(s), s) for s in sources]
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:

@@ -24,6 +24,7 @@ from rlhf_cli.runtime.placement import Plan, make_offline_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
 from rlhf_cli.runtime.specs import GroupSpec, RankLayout, Role, group_strategy
 from rlhf_cli.runtime.tracking import Display
+from rlhf_learner.strategy import training_backend
 
 __all__ = [
     "Groups",
@@ -200,7 +201,8 @@ def run_command(
 
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg, with_ref)
-    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled)
+    reshards = training_backend(cfg.ds.backend).reshards_checkpoints
+    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, reshards=reshards)
     setup = prepare_run(cfg, pretrain=cfg.model.pretrain, plan_for=plan_for, resumable=resumable)
     _check_ref_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))

@@ -28,6 +28,7 @@ from rlhf_cli.runtime.model_sizes import ModelSizes
 from rlhf_cli.runtime.placement import Plan, make_plan
 from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
 from rlhf_cli.runtime.specs import RankLayout
+from rlhf_learner.strategy import training_backend
 from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
@@ -117,7 +118,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
-    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",))  # eval: not training
+    reshards = training_backend(cfg.ds.backend).reshards_checkpoints
+    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), reshards=reshards)
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)

@@ -69,12 +69,23 @@ without a learning-rate schedule: ``resumable_changes``). (``rlhf ppo`` may
 also change ``eval.path``; for the offline commands it decides the held-out split.)"""
 
 
-def resumable_changes(*, lr_scheduled: bool, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+GROUP_SIZES = tuple(
+    f"{g}.{k}"
+    for g in ("model", "ref", "actor", "critic", "reward")
+    for k in ("num_nodes", "num_devices_per_node")
+)
+"""Every learner group's rank count: a resumed run may change them when its backend reshards checkpoints."""
+
+
+def resumable_changes(
+    *, lr_scheduled: bool, extra: tuple[str, ...] = (), reshards: bool = False
+) -> tuple[str, ...]:
     """``RESUMABLE_CHANGES`` plus ``extra``, less the run's length when a learning-rate schedule spans it
-    (a resumed run with another length would follow another curve from the checkpoint's step on)."""
+    (a resumed run with another length would follow another curve from the checkpoint's step on), plus the
+    groups' rank counts when the training backend ``reshards`` its checkpoints on load."""
     length = ("train.num_steps", "train.max_steps", "train.num_epochs")
     keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k in length))
-    return (*keep, *extra)
+    return (*keep, *extra, *(GROUP_SIZES if reshards else ()))
 
 
 def check_compatible(

@@ -20,6 +20,7 @@ from rlhf_cli.runtime.model_sizes import (
     model_sizes,
 )
 from rlhf_learner import StrategyOptions
+from rlhf_learner.strategy import training_backend
 
 __all__ = ["EAGER_BELOW_PARAMS", "GroupPlan", "Plan", "eager_engines", "make_offline_plan", "make_plan"]
 
@@ -133,7 +134,9 @@ def _learner_group(
     trained = ds if keep_stage else ds.for_ranks(g.world)  # as ``group_strategy`` gives it
     ds = trained if g.trains else ds.for_inference()
     bf16, n = ds.precision == "bf16", shape.params
-    shard = lambda b, on: b / g.world if ds.zero_stage >= on else b  # noqa: E731
+    backend = training_backend(ds.backend)
+    stage = backend.sharding_stage(ds, train=g.trains)
+    shard = lambda b, on: b / g.world if stage >= on else b  # noqa: E731
     parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}
     flags = ("--ds.zero_stage 3", "--train.micro_batch_size")
     if g.trains:
@@ -145,7 +148,7 @@ def _learner_group(
     if load is not None:
         act = activation_bytes(shape, *load, trains=g.trains, checkpointing=g.checkpointing, bits16=bf16)
         parts["activations"] = act / _GIB
-    trains = f"ZeRO-{ds.zero_stage}, trains" + (" LoRA adapters" if g.lora else "")
+    trains = f"{backend.describe(ds)}, trains" + (" LoRA adapters" if g.lora else "")
     note = g.note or (trains if g.trains else "frozen")
     return GroupPlan(
         name=g.name,

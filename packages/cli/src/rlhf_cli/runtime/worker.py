@@ -61,6 +61,11 @@ def build_model(spec: GroupSpec, ds_config: dict, sp_group: Any = None) -> torch
     return model
 
 
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements this rank stores of ``p`` (an FSDP2 DTensor's own shard)."""
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
 class LearnerWorker:
     """One data-parallel rank of a learner group (a Ray actor)."""
 
@@ -90,7 +95,7 @@ class LearnerWorker:
 
     def setup(self, *, master_addr: str, master_port: int) -> int:
         """Join the group's process group and build the model; returns the parameter count."""
-        from rlhf_learner import Strategy
+        from rlhf_learner.strategy import make_strategy
 
         spec = self.spec
         if os.environ.get("RLHF_CPU_CORES"):  # the plan's cores (engines have the others)
@@ -101,7 +106,7 @@ class LearnerWorker:
             os.sched_setaffinity(0, picked)
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the plan's threads (Ray's default is 1)
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        self.strategy = Strategy(spec.strategy)
+        self.strategy = make_strategy(spec.strategy)  # the backend --ds.backend names
         self.strategy.setup_distributed(
             rank=self.rank,
             world_size=spec.world_size,
@@ -110,7 +115,7 @@ class LearnerWorker:
             listener=self._reserved.pop(master_port, None),
         )
         sp_group = self.strategy.sequence_parallel_group if spec.role in ("actor", "ref") else None
-        model = build_model(spec, self.strategy.ds_config(train=spec.trained), sp_group)
+        model = build_model(spec, self.strategy.loader_config(train=spec.trained), sp_group)
         self.engine = self.strategy.prepare(model, train=spec.trained)
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
 
@@ -126,7 +131,7 @@ class LearnerWorker:
             sequence_parallel_size=o.sequence_parallel_size,
             tensor_parallel_size=o.tensor_parallel_size,
             attention=str(getattr(hf.config, "_attn_implementation", "")),
-            local_params=sum(p.numel() for p in self.engine.module.parameters()),
+            local_params=sum(_local_numel(p) for p in self.engine.module.parameters()),
         )
 
     # --- inference -------------------------------------------------------------------------------
@@ -242,12 +247,13 @@ class LearnerWorker:
         from rlhf_weightsync import gather_along
 
         hf = unwrap_hf_model(self.engine.module)
-        if hasattr(hf, "peft_config"):  # ZeRO 0-2 (checked): every rank holds the weights; rank 0 merges
+        if hasattr(hf, "peft_config"):  # every rank takes part in the gathers (fsdp2); rank 0 merges
+            state = self.strategy.full_state_dict(hf, rank0_only=True)
             if self.rank != 0:
                 return None
             from rlhf_learner.lora import merged_state_dict
 
-            state, _ = merged_state_dict(hf, self.strategy.full_state_dict(hf))
+            state, _ = merged_state_dict(hf, state)
             named, gather = list(state.items()), None
         else:
             named, gather = list(hf.named_parameters()), self.strategy.gather
@@ -259,14 +265,10 @@ class LearnerWorker:
 
     def offload_states(self) -> str:
         """The engine's states to host memory while colocated rollout engines use the GPU (or why not)."""
-        from rlhf_learner.strategy import offload_states
-
-        return offload_states(self.engine)
+        return self.strategy.offload_states(self.engine)
 
     def reload_states(self) -> str:
-        from rlhf_learner.strategy import reload_states
-
-        return reload_states(self.engine)
+        return self.strategy.reload_states(self.engine)
 
     def close_weight_sync(self) -> None:
         if self.sender is not None:

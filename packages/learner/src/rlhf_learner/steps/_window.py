@@ -27,9 +27,10 @@ Batch = TypeVar("Batch", bound=ModelRows)
 
 
 class TrainEngine(Protocol):
-    """What the steps need of a training engine: a DeepSpeed engine wrapping the model (as
-    ``Strategy.prepare`` returns it). ``data_parallel_group`` and ``get_global_grad_norm()`` are read
-    when present."""
+    """What the steps need of a training engine, as a training backend's ``prepare`` returns it (a
+    DeepSpeed engine, an ``FSDP2Engine``): ``backward`` and ``step`` once per micro-batch, the window's last
+    ``step`` applying the optimizer. ``data_parallel_group``, ``get_global_grad_norm()`` and
+    ``reports_grad_norm`` are read when present."""
 
     device: torch.device
 
@@ -231,6 +232,8 @@ def _reports_grad_norm(engine: TrainEngine) -> bool:
     """Whether DeepSpeed measures the gradient norm itself: its ZeRO and bf16 optimizers do; ZeRO stage 0 in
     fp32 (a plain torch optimizer) clips without keeping the norm. Engines without an ``optimizer``
     attribute are taken at their word (``get_global_grad_norm``)."""
+    if getattr(engine, "reports_grad_norm", False):
+        return True
     optimizer = getattr(engine, "optimizer", None)
     return optimizer is None or hasattr(optimizer, "_global_grad_norm")
 

@@ -1,10 +1,11 @@
-"""Typed DeepSpeed options and the config builder that turns them into a DeepSpeed config dict."""
+"""Typed training options (backend-neutral, with the DeepSpeed config builder)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from rlhf_learner.strategy.registry import training_backend
 from rlhf_learner.strategy.schedule import LRSchedule
 
 __all__ = ["OptimizerName", "Precision", "StrategyOptions", "build_ds_config"]
@@ -15,8 +16,11 @@ OptimizerName = Literal["adamw", "muon"]
 
 @dataclass(kw_only=True)
 class StrategyOptions:
-    """How one model is trained (or served for inference) with DeepSpeed."""
+    """How one model is trained (or served for inference), and by which training backend."""
 
+    backend: str = "deepspeed"
+    """Training backend: ``deepspeed`` (ZeRO 0-3, AutoTP) or ``fsdp2`` (torch ``fully_shard``; zero_stage 3
+    frees gathered layers after their forward, 0-2 keep them for the backward)."""
     zero_stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters).
     Stages 1 and 2 shard nothing on a single rank (``for_ranks`` runs them as 0 there)."""
@@ -55,6 +59,9 @@ class StrategyOptions:
     """Timeout of every collective (distributed init, all-reduce, ring exchange)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.backend, str):
+            raise ValueError(f"backend: expected a name, got {self.backend!r}")
+        backend = training_backend(self.backend)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.offload_params and self.zero_stage != 3:
@@ -86,10 +93,7 @@ class StrategyOptions:
             raise ValueError("tensor_parallel_size: DeepSpeed AutoTP training supports zero_stage 0-2, not 3")
         if self.tensor_parallel_size > 1 and self.sequence_parallel_size > 1:
             raise ValueError("tensor_parallel_size and sequence_parallel_size cannot both be > 1 here")
-        if self.optimizer == "muon":
-            _require_muon()
-        if self.tensor_parallel_size > 1:
-            _require_autotp()
+        backend.check_options(self)
 
     def for_inference(self) -> StrategyOptions:
         """These options for a frozen model (reference, reward model: no optimizer or gradients).
@@ -115,14 +119,14 @@ class StrategyOptions:
         return self
 
 
-def _require_muon() -> None:
+def require_muon() -> None:
     try:
         from deepspeed.runtime.config import MUON_OPTIMIZER  # noqa: F401
     except ImportError as e:
         raise ValueError("optimizer='muon': the installed DeepSpeed has no Muon optimizer") from e
 
 
-def _require_autotp() -> None:
+def require_autotp() -> None:
     try:
         from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
 

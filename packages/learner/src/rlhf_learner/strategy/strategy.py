@@ -1,10 +1,9 @@
-"""The DeepSpeed strategy: build, wrap, gather, checkpoint and export models."""
+"""The ``deepspeed`` training backend: ZeRO 0-3 (and AutoTP) engines, gathers and checkpoints."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -14,20 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlhf_learner.strategy.distributed import init_distributed
-from rlhf_learner.strategy.export import DEFAULT_MAX_SHARD_BYTES, check_max_shard_bytes, write_hf_folder
-from rlhf_learner.strategy.options import StrategyOptions, build_ds_config
+from rlhf_learner.strategy._base import RankedStrategy
+from rlhf_learner.strategy.offload import offload_states, reload_states
+from rlhf_learner.strategy.options import StrategyOptions, build_ds_config, require_autotp, require_muon
+from rlhf_learner.strategy.registry import register_training_backend
 from rlhf_learner.strategy.schedule import make_lr_scheduler
 
-__all__ = ["Strategy", "gather_params", "set_seed", "unwrap_hf_model"]
-
-
-def set_seed(seed: int) -> None:
-    """Seed python's and torch's generators (CPU and CUDA)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+__all__ = ["Strategy", "gather_params"]
 
 
 def gather_params(params: Sequence[nn.Parameter]) -> AbstractContextManager[None]:
@@ -67,30 +59,9 @@ def _gathered(zero3: list[nn.Parameter], tp_layers: list[nn.Module]) -> Iterator
         yield
 
 
-def unwrap_hf_model(model: nn.Module) -> nn.Module:
-    """The transformers (or peft) model inside a DeepSpeed engine and/or a learner wrapper
-    (``Actor``, ``Critic``, ``RewardModel``): the module whose parameter names are the Hugging Face
-    checkpoint names, which is what a weight-sync sender should walk."""
-    m = getattr(model, "module", model)
-    return m if hasattr(m, "save_pretrained") else getattr(m, "model", m)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Strategy:
-    """One DeepSpeed setup for the models of a job.
+@register_training_backend("deepspeed")
+class Strategy(RankedStrategy):
+    """One DeepSpeed setup for the models of a job (the ``deepspeed`` training backend).
 
     Typical use::
 
@@ -103,49 +74,24 @@ class Strategy:
         engine = strategy.prepare(actor)
     """
 
-    def __init__(self, options: StrategyOptions) -> None:
-        self.options = options
-        self._sp_group: Any = None
-        self._sp_ready = False
+    @classmethod
+    def check_options(cls, options: StrategyOptions) -> None:
+        """Muon and AutoTP need a DeepSpeed that has them."""
+        if options.optimizer == "muon":
+            require_muon()
+        if options.tensor_parallel_size > 1:
+            require_autotp()
 
-    def setup_distributed(self, **kwargs: Any) -> tuple[int, int]:
-        """:func:`init_distributed` with this strategy's timeout, seed every rank alike, and (with
-        ``sequence_parallel_size > 1``) create the sequence-parallel groups: see
-        :attr:`sequence_parallel_group`. Collective: every rank must call it."""
-        out = init_distributed(timeout_s=self.options.timeout_s, **kwargs)
-        set_seed(self.options.seed)
-        self._check_world()
-        self._sp_group = self._new_sequence_parallel_group()
-        self._sp_ready = True
-        return out
+    reshards_checkpoints = False
+    """DeepSpeed's ZeRO checkpoints load on the rank count that wrote them."""
 
-    def _check_world(self) -> None:
-        split = self.options.tensor_parallel_size * self.options.sequence_parallel_size
-        if self.world_size % split:
-            raise ValueError(
-                f"tensor_parallel_size * sequence_parallel_size = {split} does not divide the world size "
-                f"{self.world_size}"
-            )
+    @classmethod
+    def sharding_stage(cls, options: StrategyOptions, *, train: bool) -> int:
+        return options.zero_stage
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Distinct data shards: ``world_size / (tensor_parallel_size * sequence_parallel_size)``."""
-        return self.world_size // (self.options.tensor_parallel_size * self.options.sequence_parallel_size)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """The data shard this rank trains on. Ranks ``k*n .. k*n + n - 1`` (``n`` = tensor_parallel_size *
-        sequence_parallel_size, consecutive blocks, as DeepSpeed's AutoTP groups are too) share shard ``k``:
-        they must get the same micro-batches."""
-        return self.rank // (self.options.tensor_parallel_size * self.options.sequence_parallel_size)
+    @classmethod
+    def describe(cls, options: StrategyOptions) -> str:
+        return f"ZeRO-{options.zero_stage}"
 
     def ds_config(self, *, train: bool = True) -> dict[str, Any]:
         """The DeepSpeed config for a trained (``train=True``) or inference-only model."""
@@ -153,39 +99,9 @@ class Strategy:
         self._check_world()
         return config
 
-    @property
-    def sequence_parallel_group(self) -> Any:
-        """This rank's sequence-parallel group (blocks of ``sequence_parallel_size`` consecutive ranks, made
-        by :meth:`setup_distributed`), or None when ``sequence_parallel_size == 1``. Pass it to
-        ``Actor(..., sequence_parallel_group=)``.
-
-        Ranks of one group must get the same micro-batches (they split each sequence between them).
-        The update steps need no change: the loss counts and DeepSpeed's gradient average run over the
-        whole world, and each rank's gradient carries ``sequence_parallel_size`` times its chunk's
-        contribution (the backward of the differentiable gather sums over the group), so the average is
-        the gradient of the data-parallel batch's loss."""
-        if self.options.sequence_parallel_size == 1:
-            return None
-        if not self._sp_ready:
-            raise RuntimeError(
-                "sequence_parallel_group: call setup_distributed() first (it creates the groups)"
-            )
-        return self._sp_group
-
-    def _new_sequence_parallel_group(self) -> Any:
-        """Create every block's group (collective: ``new_group`` must be called alike on all ranks);
-        return this rank's."""
-        sp = self.options.sequence_parallel_size
-        if sp == 1:
-            return None
-        if sp == self.world_size:
-            return dist.group.WORLD
-        mine = None
-        for start in range(0, self.world_size, sp):
-            group = dist.new_group(list(range(start, start + sp)))
-            if start <= self.rank < start + sp:
-                mine = group
-        return mine
+    def loader_config(self, *, train: bool = True) -> dict[str, Any]:
+        """The model loaders' ``ds_config``: :meth:`ds_config` (ZeRO-3 builds the model partitioned)."""
+        return self.ds_config(train=train)
 
     def prepare(
         self,
@@ -257,9 +173,7 @@ class Strategy:
         ``directory/tag``. Collective: every rank must call it."""
         directory = Path(directory)
         engine.save_checkpoint(str(directory), tag=tag, client_state={"caller": dict(client_state or {})})
-        rank_file = directory / tag / f"rng_state_rank{self.rank}.pt"
-        rank_file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), rank_file)
+        self._save_rng(directory, tag)
         if dist.is_initialized():
             dist.barrier()
         return directory / tag
@@ -268,86 +182,18 @@ class Strategy:
         """Load what :meth:`save_checkpoint` wrote (``tag=None``: the latest) and restore this rank's RNG
         state; returns the caller's ``client_state``."""
         directory = Path(directory)
-        if not directory.is_dir():
-            raise ValueError(f"checkpoint folder {str(directory)!r} does not exist")
-        if tag is None:
-            latest = directory / "latest"
-            if not latest.is_file():
-                raise ValueError(f"checkpoint folder {str(directory)!r} has no 'latest' file; pass tag")
-            tag = latest.read_text().strip()
+        tag = self._resolve_tag(directory, tag)
         path, state = engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise ValueError(f"no checkpoint {tag!r} in {str(directory)!r}")
-        rank_file = directory / tag / f"rng_state_rank{self.rank}.pt"
-        if rank_file.is_file():
-            _set_rng_state(torch.load(rank_file, weights_only=True))  # tensors, tuples and ints only
+        self._load_rng(directory, tag)
         return dict((state or {}).get("caller", {}))
 
-    # --- export --------------------------------------------------------------------------------
+    # --- hybrid engine ---------------------------------------------------------------------------
 
-    def full_state_dict(
-        self, model: nn.Module, *, prefix_to_strip: str = "", rank0_only: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """The full (gathered) weights of ``model`` as CPU tensors, one entry per distinct tensor
-        (tied parameters appear once, under their first name). Collective under ZeRO-3 / AutoTP; every
-        rank gets the dict, or with ``rank0_only`` only rank 0 (the others take part in each gather and
-        get ``{}``, holding no copy)."""
-        keep = not rank0_only or self.rank == 0
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            with gather_params([p]):
-                if keep:
-                    out[name.removeprefix(prefix_to_strip)] = p.detach().to("cpu", copy=True).contiguous()
-        if not keep:
-            return out
-        for name, b in model.named_buffers():
-            if name.endswith("inv_freq"):
-                continue
-            out.setdefault(name.removeprefix(prefix_to_strip), b.detach().to("cpu", copy=True).contiguous())
-        return out
+    def offload_states(self, engine: Any) -> str:
+        """See :func:`rlhf_learner.strategy.offload.offload_states`."""
+        return offload_states(engine)
 
-    def export_hf(
-        self,
-        model: nn.Module,
-        directory: str | Path,
-        *,
-        tokenizer: Any = None,
-        dtype: torch.dtype | None = None,
-        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    ) -> Path:
-        """Write a Hugging Face folder: safetensors weights, config (recording the weights' dtype),
-        generation config and tokenizer.
-
-        The weights go to one ``model.safetensors`` up to ``max_shard_bytes`` (default 5 GiB), else to
-        ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``. ``dtype``
-        (e.g. ``torch.bfloat16``) casts the floating-point weights. ``model`` is the engine's module
-        or a wrapper holding the transformers model as ``.model`` (actor, critic, reward model); a peft
-        LoRA model is merged first (on a copy of the weights, the trained model is unchanged); a QLoRA
-        model's 4-bit base is dequantized for that, and written in the compute dtype (bf16) unless
-        ``dtype`` says otherwise, without its ``quantization_config``.
-        Collective under ZeRO-3 / AutoTP: every rank takes part in the gathers, but only rank 0 keeps
-        the weights and touches ``directory`` (the other ranks' ``directory`` is not used).
-        """
-        check_max_shard_bytes(max_shard_bytes)  # on every rank, before any collective
-        hf = unwrap_hf_model(model)
-        base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
-        if getattr(base, "is_loaded_in_4bit", False) and not hasattr(hf, "peft_config"):
-            raise ValueError(
-                "load_in_4bit: export_hf writes a 4-bit base only merged with its LoRA adapter (a peft model)"
-            )
-        state = self.full_state_dict(hf, rank0_only=True)
-        if self.rank == 0:
-            if hasattr(hf, "peft_config"):
-                from rlhf_learner.lora import merged_state_dict
-
-                state, hf = merged_state_dict(hf, state)
-            if dtype is not None:
-                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-            write_hf_folder(directory, state, hf, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
-        if dist.is_initialized():
-            dist.barrier()
-        return Path(directory)
+    def reload_states(self, engine: Any) -> str:
+        return reload_states(engine)
