@@ -182,3 +182,40 @@ def test_offload_states_frees_the_gpu_and_reload_restores_training(tiny_model_di
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_fsdp2_bf16_mixed_precision_cpu_offload_and_hybrid_engine_moves(tiny_model_dir):
+    """fsdp2 on NCCL (a fresh process, a group of one): bf16 compute over fp32 sharded parameters trains;
+    CPU offload keeps the parameters in host memory and still trains; offload_states frees the GPU of a
+    plain fsdp2 engine and reload_states brings it back for the next step."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from rlhf_algos import sft_loss
+        from rlhf_learner import Actor, SFTBatch, load_causal_lm, sft_step
+        from rlhf_learner.strategy import StrategyOptions, make_strategy
+        ids = torch.randint(3, 400, (2, 16))
+        mb = SFTBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids).bool())
+        for opts in (dict(precision="bf16"), dict(zero_stage=3, offload_params=True, precision="bf16")):
+            strategy = make_strategy(StrategyOptions(backend="fsdp2", lr=1e-2, **opts))
+            strategy.setup_distributed(backend="nccl")
+            engine = strategy.prepare(Actor(load_causal_lm({str(tiny_model_dir)!r})))
+            p = next(engine.module.parameters())
+            assert p.dtype == torch.float32
+            assert p.to_local().device.type == ("cpu" if opts.get("offload_params") else "cuda")
+            losses = [sft_step(engine, [mb], sft_loss_fn=sft_loss).loss for _ in range(4)]
+            assert losses[-1] < losses[0] - 0.2, losses
+        assert strategy.offload_states(engine).startswith("skipped")  # offloaded already
+        strategy = make_strategy(StrategyOptions(backend="fsdp2", lr=1e-2))
+        engine = strategy.prepare(Actor(load_causal_lm({str(tiny_model_dir)!r})))
+        sft_step(engine, [mb], sft_loss_fn=sft_loss)
+        held = torch.cuda.memory_allocated()
+        assert strategy.offload_states(engine) == "offloaded"
+        assert torch.cuda.memory_allocated() < held / 2
+        assert strategy.reload_states(engine) == "reloaded"
+        sft_step(engine, [mb], sft_loss_fn=sft_loss)
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
