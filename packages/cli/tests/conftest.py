@@ -40,10 +40,13 @@ def shared_engines(ray_cluster, demo_model_dir):
     """Two vLLM-CPU engines on the demo model, with the weight-sync worker extension, for one module's
     runs (stopped when it is done): an in-process ``LLM`` (what synchronous runs start) and an
     asynchronous ``AsyncLLM`` one (what asynchronous runs and agents start)."""
-    from rlhf_cli.ppo.components import WORKER_EXTENSION
     from rlhf_rollout import create_engines
+    from rlhf_rollout.backends import rollout_backend
 
-    kwargs = _ENGINE_KWARGS | {"model": str(demo_model_dir), "worker_extension_cls": WORKER_EXTENSION["vllm"]}
+    kwargs = _ENGINE_KWARGS | {
+        "model": str(demo_model_dir),
+        "worker_extension_cls": rollout_backend("vllm").worker_extension,
+    }
     start = functools.partial(
         create_engines,
         num_engines=1,

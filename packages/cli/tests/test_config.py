@@ -52,7 +52,10 @@ def test_dotted_flags_fill_the_tree_with_types():
         (["--actor.lrr", "3"], "unknown flag --actor.lrr; did you mean --actor.lr?"),
         (["--algo.kl.cof", "0.1"], "did you mean --algo.kl.coef?"),
         (["--train.num_steps", "abc"], "--train.num_steps: Input should be a valid integer"),
-        (["--rollout.backend", "sglang"], "--rollout.backend: Input should be 'vllm' or 'transformers'"),
+        (
+            ["--rollout.backend", "sglang"],
+            "--rollout.backend: expected a registered rollout backend (transformers, vllm), got 'sglang'",
+        ),
         (["--ds.zero_stage", "5"], "--ds.zero_stage: expected 0, 1, 2 or 3, got 5"),
         (["--ds.lr", "0.1"], "--ds.lr: set it with --actor.lr / --critic.lr"),
         (["--algo.advantage.estimator", "gae", "--critic.enable", "false"], "gae needs a critic"),
@@ -297,3 +300,49 @@ def test_an_estimator_registered_by_a_plugin_passes_validation(tmp_path, registr
         build_config(PPOConfig, ["--algo.advantage.estimator", "no_such"])
     with pytest.raises(ConfigError, match=r"--algo.advantage.plugin: .*missing.py' does not exist"):
         build_config(PPOConfig, ["--algo.advantage.plugin", str(tmp_path / "missing.py")])
+
+
+def test_a_third_rollout_backend_registered_elsewhere_is_planned_with_no_change_here():
+    """A backend registered by another module (here, this test) is a valid --rollout.backend: --dry-run
+    plans its engines from its own memory estimate and capabilities (no tensor parallelism: refused in
+    one line), and an unregistered name is refused listing the registered ones."""
+    from rlhf_rollout.backends import (
+        ROLLOUT_BACKENDS,
+        BackendCapabilities,
+        EngineMemory,
+        RolloutBackend,
+        register_rollout_backend,
+    )
+
+    class FakeBackend(RolloutBackend):
+        name = "fake"
+        capabilities = BackendCapabilities(
+            tensor_parallel=False,
+            asynchronous=False,
+            sleep=False,
+            gpu_weight_transports=False,
+            seeded_calls=False,
+            logprobs=True,
+            compiles=False,
+        )
+
+        def memory(self, query):
+            return EngineMemory(weights_gib=0.125, kv_gib=0.25, note="fake KV")
+
+    register_rollout_backend(FakeBackend())
+    try:
+        result = run_cli("--dry-run", "--rollout.backend", "fake", "--ray.num_cpus", "2")
+        assert result.exit_code == 0, result.output
+        line = next(line for line in result.output.splitlines() if line.startswith("engines "))
+        assert "1 x fake engine(s)" in line and "fake KV" in line and "0.38 GiB" in line, line
+        sharded = error_line(
+            run_cli("--dry-run", "--rollout.backend", "fake", "--vllm.tensor_parallel_size", "2")
+        )
+        assert "--rollout.backend fake does not shard a model" in sharded
+    finally:
+        ROLLOUT_BACKENDS.pop("fake")
+    line = error_line(run_cli("--dry-run", "--rollout.backend", "fake"))
+    assert (
+        line
+        == "error: --rollout.backend: expected a registered rollout backend (transformers, vllm), got 'fake'"
+    )

@@ -84,7 +84,7 @@ def test_async_generation_lets_scoring_run_meanwhile(two_hf_engines):
 def test_create_engines_rejects_bad_placement(ray_cluster, tiny_model_dir):
     with pytest.raises(ValueError, match="bundle_indices needs a placement_group"):
         create_engines(num_engines=1, backend="transformers", engine_kwargs={}, bundle_indices=[0])
-    with pytest.raises(ValueError, match="only the vllm backend shards"):
+    with pytest.raises(ValueError, match="the transformers rollout backend does not shard a model"):
         create_engines(num_engines=1, backend="transformers", engine_kwargs={}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"engine_kwargs\['tensor_parallel_size'\]=2 differs"):
         create_engines(num_engines=1, backend="vllm", engine_kwargs={"tensor_parallel_size": 2})

@@ -7,8 +7,13 @@ from rlhf_weightsync import TRANSPORTS, select_transport
 
 
 def pick(requested: str, *, gpu=False, one_host=True, backend="vllm", gpus_per_worker=1.0) -> str:
+    """``backend``: engines that receive on their GPUs (``vllm``) or in host memory (``transformers``)."""
     return select_transport(
-        requested, gpu=gpu, one_host=one_host, backend=backend, gpus_per_worker=gpus_per_worker
+        requested,
+        gpu=gpu,
+        one_host=one_host,
+        gpu_receivers=backend == "vllm",
+        gpus_per_worker=gpus_per_worker,
     )
 
 
@@ -60,13 +65,12 @@ def test_an_explicit_transport_that_fits_is_kept(requested, gpu, one_host, backe
         (
             "nccl",
             {"gpu": True, "backend": "transformers"},
-            "--weightsync.transport nccl: --rollout.backend transformers receives weights over gloo or shm only",
+            "--weightsync.transport nccl: these engines receive weights in host memory: use gloo or shm",
         ),
         (
             "cuda_ipc",
             {"gpu": True, "backend": "transformers"},
-            "--weightsync.transport cuda_ipc: --rollout.backend transformers receives weights over gloo or "
-            "shm only",
+            "--weightsync.transport cuda_ipc: these engines receive weights in host memory: use gloo or shm",
         ),
         (
             "tcp",
@@ -74,7 +78,6 @@ def test_an_explicit_transport_that_fits_is_kept(requested, gpu, one_host, backe
             "--weightsync.transport tcp: unknown; expected auto or one of gloo, shm, nccl, cuda_ipc",
         ),
         ("", {}, "--weightsync.transport : unknown; expected auto or one of"),
-        ("auto", {"backend": "sglang"}, "--weightsync.transport: unknown rollout backend 'sglang'"),
     ],
 )
 def test_refusals_are_one_line_naming_the_flag(requested, kwargs, message):

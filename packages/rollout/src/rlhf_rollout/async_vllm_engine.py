@@ -192,15 +192,13 @@ class AsyncEngineActor:
     while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
 
     def __init__(self, *, backend: str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
-        if backend != "vllm":
-            raise ValueError(f"asynchronous engines are vLLM engines; got backend {backend!r}")
         allowed = os.sched_getaffinity(0)
         if cpu_cores:
             pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
         bind_sharded_workers(engine_kwargs)
-        from rlhf_rollout.async_vllm_engine import AsyncVLLMEngine
+        from rlhf_rollout.backends import rollout_backend
 
-        self.engine = AsyncVLLMEngine(**engine_kwargs)
+        self.engine = rollout_backend(backend).make_async_engine(engine_kwargs)
         if cpu_cores:  # the front end (requests in, outputs out, its ZMQ threads) on any core: bound beside
             bind_all_threads(allowed)  # its engine core, it took a sixth of that core at 0.4M parameters
 

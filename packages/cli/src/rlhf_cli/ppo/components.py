@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,14 +22,9 @@ from rlhf_cli.runtime.placement import GroupPlan, Plan, eager_engines
 from rlhf_cli.runtime.specs import GroupSpec, group_strategy
 from rlhf_cli.runtime.weight_sync import EngineWeightSync
 from rlhf_rollout import EngineClient, create_engines, engines_started
+from rlhf_rollout.backends import EngineSettings, rollout_backend
 
-__all__ = ["WORKER_EXTENSION", "Components", "start_components"]
-
-WORKER_EXTENSION = {
-    "vllm": "rlhf_weightsync.vllm_ext.WeightSyncWorkerExtension",
-    "transformers": "rlhf_weightsync.module_ext.ModuleWeightSyncExtension",
-}
-"""The weight-sync worker extension each rollout backend mixes into its workers."""
+__all__ = ["Components", "start_components"]
 
 
 @dataclass(kw_only=True)
@@ -123,35 +117,23 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
     return specs
 
 
-def _engine_kwargs(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> dict[str, Any]:
-    """Constructor arguments of one rollout engine of the configured backend."""
-    common = dict(
-        model=path,
-        max_model_len=cfg.vllm.max_model_len,
-        worker_extension_cls=WORKER_EXTENSION[cfg.rollout.backend],
-    )
+def engine_settings(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> EngineSettings:
+    """The rollout engines' backend-neutral settings (each backend turns them into its arguments)."""
     dtype = cfg.vllm.dtype
     if dtype == "auto":
         dtype = "auto" if gpu else {"bf16": "bfloat16", "fp32": "float32"}[cfg.ds.precision]
-    if cfg.rollout.backend == "transformers":
-        return {
-            **common,
-            "dtype": "float32" if dtype == "auto" else dtype,
-            "device": "cuda" if gpu else "cpu",
-        }
-    out = {
-        **common,
-        "dtype": dtype,
-        "seed": cfg.train.seed,
-        "enable_prefix_caching": cfg.vllm.enable_prefix_caching,
-    }
-    if eager_engines(cfg.vllm.enforce_eager, params=params, gpu=gpu):
-        out["engine_kwargs"] = {"enforce_eager": True}
-    if gpu:
-        out["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
-    if gpu and cfg.colocates_engines and cfg.rollout.backend == "vllm":
-        out["enable_sleep_mode"] = True  # they sleep while the learners train on the same GPUs
-    return out
+    return EngineSettings(
+        model=path,
+        max_model_len=cfg.vllm.max_model_len,
+        dtype=dtype,
+        gpu=gpu,
+        seed=cfg.train.seed,
+        prefix_caching=cfg.vllm.enable_prefix_caching,
+        eager=eager_engines(cfg.vllm.enforce_eager, params=params, gpu=gpu),
+        gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+        sleep=gpu and cfg.colocates_engines,
+        kv_cache_gib=cfg.vllm.kv_cache_gib,
+    )
 
 
 def _launch_engines(
@@ -165,20 +147,20 @@ def _launch_engines(
     env = dict(worker_env())
     if eg.threads:  # CPU: the engine's cores (Ray gives a fractional-CPU actor OMP_NUM_THREADS=1)
         env["OMP_NUM_THREADS"] = str(eg.threads)
-    if cfg.rollout.backend == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.kv_cache_gib)
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+    backend = rollout_backend(cfg.rollout.backend)
+    settings = engine_settings(cfg, path, gpu=plan.device == "cuda", params=eg.params)
+    env |= backend.process_env(settings)
     handles = create_engines(
         num_engines=cfg.vllm.num_engines,
         backend=cfg.rollout.backend,
-        engine_kwargs=_engine_kwargs(cfg, path, gpu=plan.device == "cuda", params=eg.params),
+        engine_kwargs=backend.engine_kwargs(settings),
         tensor_parallel_size=cfg.vllm.tensor_parallel_size,
         placement_group=pgs["engines"],
         bundle_indices=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],
         num_cpus_per_engine=eg.bundle.get("CPU", 0),
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
-        asynchronous=asynchronous and cfg.rollout.backend == "vllm",
+        asynchronous=asynchronous and backend.capabilities.asynchronous,
         cpu_cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.vllm.num_engines, plan.resources.nodes),
         wait=False,
     )

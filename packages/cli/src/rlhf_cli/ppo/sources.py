@@ -124,7 +124,7 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
     """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
     before anything starts. Register the result's ``close`` to run when the run ends."""
     factory = _factory(cfg, tokenizer)
-    if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.backend == "vllm":
+    if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.capabilities.seeded_calls:
         raise ValueError(
             f"--rollout.seed_per_sample false seeds each engine call, but {cfg.train.agent_func_path} makes "
             "calls per episode that overlap: keep it true"

@@ -21,6 +21,7 @@ from rlhf_cli.runtime.model_sizes import (
 )
 from rlhf_learner import StrategyOptions
 from rlhf_learner.strategy import training_backend
+from rlhf_rollout.backends import MemoryQuery, rollout_backend
 
 __all__ = ["EAGER_BELOW_PARAMS", "GroupPlan", "Plan", "eager_engines", "make_offline_plan", "make_plan"]
 
@@ -177,32 +178,38 @@ def eager_engines(flag: bool | None, *, params: int, gpu: bool) -> bool:
 
 
 def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: ClusterResources) -> GroupPlan:
-    """Engine processes: weights (16-bit with vLLM on GPU, else fp32, as the engines load them) over TP, and
-    the KV cache: ``--vllm.kv_cache_gib`` on CPU; on GPU what the weights leave of the device's fraction
-    vLLM pre-allocates (refused when it cannot hold one ``--vllm.max_model_len`` sequence)."""
+    """Engine processes: weights and KV cache as the rollout backend estimates them (``memory``); a KV
+    cache pre-allocated in host memory must fit the node, one on a GPU must hold one
+    ``--vllm.max_model_len`` sequence."""
     tp, util, max_len = cfg.vllm.tensor_parallel_size, cfg.vllm.gpu_memory_utilization, cfg.vllm.max_model_len
-    vllm_gpu, device = resources.gpus > 0 and cfg.rollout.backend == "vllm", resources.gpu_memory_gib
-    weights = shape.params * (2 if vllm_gpu else 4) / tp / _GIB
-    parts, extra = {"weights": weights}, ""
-    if resources.gpus == 0:
-        parts["KV"] = float(cfg.vllm.kv_cache_gib)
-        if cfg.rollout.backend == "vllm":  # here, not in each engine's start-up
-            procs = cfg.vllm.num_engines * tp
-            what, flag = "engine process(es)", "--vllm.kv_cache_gib"
-            check_host_memory(resources, gib=parts["KV"], processes=procs, what=what, flag=flag)
-    elif vllm_gpu and device is not None:
-        parts["KV"] = util * device - weights
-        per_token = 2 * shape.layers * shape.kv_dim * 2 / tp  # K and V, 16-bit, heads split over TP
-        if parts["KV"] * _GIB < per_token * max_len:
-            raise ConfigError(
-                f"engines: {weights:.2f} GiB of weights per process leave {max(parts['KV'], 0):.2f} GiB of KV "
-                f"cache in --vllm.gpu_memory_utilization {util:g} x {device:.2f} GiB, less than one "
-                f"--vllm.max_model_len {max_len} sequence; raise --vllm.gpu_memory_utilization or "
-                "--vllm.tensor_parallel_size"
-            )
-    else:  # the KV cache is not sized
-        extra = f", KV: the rest of {util:g} of the device" if vllm_gpu else ", KV: grows with the batch"
-    if cfg.rollout.backend == "vllm":
+    backend = rollout_backend(cfg.rollout.backend)
+    mem = backend.memory(
+        MemoryQuery(
+            params=shape.params,
+            layers=shape.layers,
+            kv_dim=shape.kv_dim,
+            tensor_parallel_size=tp,
+            gpu=resources.gpus > 0,
+            device_gib=resources.gpu_memory_gib,
+            gpu_memory_utilization=util,
+            max_model_len=max_len,
+            kv_cache_gib=cfg.vllm.kv_cache_gib,
+        )
+    )
+    parts = {"weights": mem.weights_gib} | ({"KV": mem.kv_gib} if mem.kv_gib is not None else {})
+    if mem.kv_on_host and mem.kv_gib is not None:  # here, not in each engine's start-up
+        procs = cfg.vllm.num_engines * tp
+        what, flag = "engine process(es)", "--vllm.kv_cache_gib"
+        check_host_memory(resources, gib=mem.kv_gib, processes=procs, what=what, flag=flag)
+    if mem.min_kv_gib is not None and mem.kv_gib is not None and mem.kv_gib < mem.min_kv_gib:
+        raise ConfigError(
+            f"engines: {mem.weights_gib:.2f} GiB of weights per process leave {max(mem.kv_gib, 0):.2f} GiB of KV "
+            f"cache in --vllm.gpu_memory_utilization {util:g} x {resources.gpu_memory_gib:.2f} GiB, less than one "
+            f"--vllm.max_model_len {max_len} sequence; raise --vllm.gpu_memory_utilization or "
+            "--vllm.tensor_parallel_size"
+        )
+    extra = f", {mem.note}" if mem.note else ("" if mem.kv_gib is not None else ", KV: grows with the batch")
+    if backend.capabilities.compiles:
         eager = eager_engines(cfg.vllm.enforce_eager, params=shape.params, gpu=resources.gpus > 0)
         extra += ", eager" if eager else ", compiled"
     note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
@@ -382,13 +389,17 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     from rlhf_weightsync import select_transport
 
     one_host = len(set(resources.node_ips)) <= 1
-    backend = cfg.rollout.backend
+    receivers = rollout_backend(cfg.rollout.backend).capabilities.gpu_weight_transports
     share = cfg.ray.gpus_per_worker
     if any(s_ for s_ in cfg.colocated if {"actor", "engines"} <= set(s_)):
         share = min(share, 0.5)  # the engines see the actor's GPUs: CUDA IPC
     try:
         transport = select_transport(
-            cfg.weightsync.transport, gpu=gpu, one_host=one_host, backend=backend, gpus_per_worker=share
+            cfg.weightsync.transport,
+            gpu=gpu,
+            one_host=one_host,
+            gpu_receivers=receivers,
+            gpus_per_worker=share,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
