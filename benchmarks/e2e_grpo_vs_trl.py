@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _grpo_work as work
 import _summary
-from rlhf_cli.runtime.malloc import malloc_env  # both import nothing heavy
-from rlhf_cli.runtime.openmp import openmp_env
+from rlhf_cli.runtime.host.malloc import malloc_env  # both import nothing heavy
+from rlhf_cli.runtime.host.openmp import openmp_env
 
 _ON_AMX: dict[str, dict[str, Any]] = {
     "tiny": {

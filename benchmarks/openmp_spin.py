@@ -1,5 +1,5 @@
 """`rlhf ppo` (the built-in task, a few steps) alone and beside a one-core busy loop, with libgomp's
-default spin count and with ours (`rlhf_cli.runtime.openmp.SPIN_COUNT`), each run in its own process
+default spin count and with ours (`rlhf_cli.runtime.host.openmp.SPIN_COUNT`), each run in its own process
 tree from a plain environment, one after the other.
 
 Run: uv run python benchmarks/openmp_spin.py [--steps 20]
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _summary
-from rlhf_cli.runtime.openmp import SPIN_COUNT
+from rlhf_cli.runtime.host.openmp import SPIN_COUNT
 
 LIBGOMP_DEFAULT = 300_000
 """libgomp's spin count when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.runtime.checkpoint import RESUMABLE_CHANGES, check_compatible, resumable_changes
+from rlhf_cli.runtime.runs.checkpoint import RESUMABLE_CHANGES, check_compatible, resumable_changes
 
 
 def config(**train) -> dict:
@@ -53,8 +53,8 @@ def test_a_checkpoint_older_than_a_setting_stays_resumable():
 def test_a_group_resumes_at_the_zero_stage_its_checkpoint_was_written_with(tmp_path):
     """One rank runs ZeRO-1/2 as stage 0, unless the checkpoint it resumes holds that group's ZeRO
     partitions (written at ZeRO-2 by an older version) or its states are offloaded between phases."""
-    from rlhf_cli.runtime.checkpoint import zero_partitioned
-    from rlhf_cli.runtime.specs import group_strategy
+    from rlhf_cli.runtime.learners.specs import group_strategy
+    from rlhf_cli.runtime.runs.checkpoint import zero_partitioned
     from rlhf_learner import StrategyOptions
 
     (tmp_path / "actor" / "state").mkdir(parents=True)

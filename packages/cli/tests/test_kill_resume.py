@@ -20,7 +20,7 @@ import pytest
 from rlhf_cli.config import SFTConfig, build_config
 from rlhf_cli.demo import task
 from rlhf_cli.offline import sft
-from rlhf_cli.runtime.checkpoint import RunFinished
+from rlhf_cli.runtime.runs.checkpoint import RunFinished
 from rlhf_testkit.commands import (
     Driver,
     assert_died_naming,

@@ -13,7 +13,7 @@ import torch
 from rlhf_cli.config import PPOConfig, build_config
 from rlhf_cli.data.batches import Sample
 from rlhf_cli.ppo.updates import update
-from rlhf_cli.runtime.late_reference import PendingScores, ref_logp_of
+from rlhf_cli.runtime.learners.late_reference import PendingScores, ref_logp_of
 from rlhf_learner import StepResult
 
 

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from rlhf_cli.runtime import malloc
-from rlhf_cli.runtime.group import worker_env
-from rlhf_cli.runtime.malloc import MALLOC_SETTINGS, MMAP_THRESHOLD, TRIM_THRESHOLD, malloc_env
+from rlhf_cli.runtime.host import malloc
+from rlhf_cli.runtime.host.malloc import MALLOC_SETTINGS, MMAP_THRESHOLD, TRIM_THRESHOLD, malloc_env
+from rlhf_cli.runtime.learners.group import worker_env
 
 OURS = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 

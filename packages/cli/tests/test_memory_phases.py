@@ -10,8 +10,8 @@ import pytest
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.ppo.pipeline import RolloutPipeline
 from rlhf_cli.ppo.rollout import RolloutBatch
-from rlhf_cli.runtime.memory_phases import MemoryPhases
-from rlhf_cli.runtime.weight_sync import SyncReport
+from rlhf_cli.runtime.learners.memory_phases import MemoryPhases
+from rlhf_cli.runtime.learners.weight_sync import SyncReport
 
 
 @dataclass

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from rlhf_cli.runtime.group import worker_env
-from rlhf_cli.runtime.openmp import SPIN_COUNT, openmp_env
+from rlhf_cli.runtime.host.openmp import SPIN_COUNT, openmp_env
+from rlhf_cli.runtime.learners.group import worker_env
 
 OPENMP = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 

@@ -13,7 +13,7 @@ import pytest
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.ppo.pipeline import RolloutPipeline, staleness_metrics
 from rlhf_cli.ppo.rollout import RolloutBatch
-from rlhf_cli.runtime.weight_sync import SyncReport
+from rlhf_cli.runtime.learners.weight_sync import SyncReport
 
 
 class Engines:

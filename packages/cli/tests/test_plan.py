@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 from rlhf_cli.config import ConfigError, DPOConfig, PPOConfig, RMConfig, SFTConfig
-from rlhf_cli.runtime.cluster import ClusterResources
-from rlhf_cli.runtime.model_sizes import (
+from rlhf_cli.runtime.plan.cluster import ClusterResources
+from rlhf_cli.runtime.plan.model_sizes import (
     ModelShape,
     ModelSizes,
     activation_bytes,
     model_shape,
     model_sizes,
 )
-from rlhf_cli.runtime.placement import make_offline_plan, make_plan
+from rlhf_cli.runtime.plan.placement import make_offline_plan, make_plan
 
 CPU = ClusterResources(cpus=16, gpus=0, nodes=1, node_ips=("127.0.0.1",))
 GIB = 2**30

@@ -9,10 +9,10 @@ import json
 import pytest
 from rlhf_cli.config import SFTConfig
 from rlhf_cli.offline.sft import SFT_DISPLAY
-from rlhf_cli.runtime import session as _session
-from rlhf_cli.runtime.cluster import ClusterResources
-from rlhf_cli.runtime.session import run_session
-from rlhf_cli.runtime.tracking import Tracker
+from rlhf_cli.runtime.plan.cluster import ClusterResources
+from rlhf_cli.runtime.runs import session as _session
+from rlhf_cli.runtime.runs.session import run_session
+from rlhf_cli.runtime.runs.tracking import Tracker
 
 
 def _tracker(run_dir) -> Tracker:

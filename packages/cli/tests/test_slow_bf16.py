@@ -8,9 +8,9 @@ from rlhf_cli.config import PPOConfig, build_config
 from rlhf_cli.config.offline import SFTConfig
 from rlhf_cli.main import app
 from rlhf_cli.ppo import recipe
-from rlhf_cli.runtime import precision
-from rlhf_cli.runtime.precision import slow_bf16_note
-from rlhf_cli.runtime.run import prepare_run
+from rlhf_cli.runtime.host import precision
+from rlhf_cli.runtime.host.precision import slow_bf16_note
+from rlhf_cli.runtime.runs.run import prepare_run
 from rlhf_learner.hardware import MatmulSpeed
 from typer.testing import CliRunner
 

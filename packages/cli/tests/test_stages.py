@@ -19,7 +19,7 @@ from rlhf_cli.ppo.experience import make_experience, make_kl_controller
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
 from rlhf_cli.ppo.rollout import RolloutStage
 from rlhf_cli.ppo.updates import micro_batches, policy_settings, update
-from rlhf_cli.runtime.specs import GroupSpec
+from rlhf_cli.runtime.learners.specs import GroupSpec
 from rlhf_learner import (
     ModelOptions,
     NonFiniteLossError,

@@ -1,4 +1,4 @@
-"""Tensors between the driver and a Ray actor as byte arrays (``rlhf_cli.runtime.tensor_wire``): every
+"""Tensors between the driver and a Ray actor as byte arrays (``rlhf_cli.runtime.learners.tensor_wire``): every
 kind arrives with its values, dtype and shape, in memory the receiver may write; a run's driver sends
 its tensors that way once Ray is up."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 from rlhf_cli.config import SFTConfig
-from rlhf_cli.runtime import tensor_wire
-from rlhf_cli.runtime.cluster import start_ray
+from rlhf_cli.runtime.learners import tensor_wire
+from rlhf_cli.runtime.plan.cluster import start_ray
 
 
 def kinds() -> dict[str, torch.Tensor]:

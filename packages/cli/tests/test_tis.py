@@ -13,8 +13,8 @@ import yaml
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample
 from rlhf_cli.ppo.updates import update
-from rlhf_cli.runtime.losses import policy_step_args
-from rlhf_cli.runtime.specs import PolicyLossSettings
+from rlhf_cli.runtime.learners.losses import policy_step_args
+from rlhf_cli.runtime.learners.specs import PolicyLossSettings
 from rlhf_learner import PolicyBatch, ppo_actor_step
 from rlhf_testkit.engines import BigramEngine
 

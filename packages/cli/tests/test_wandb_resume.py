@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from rlhf_cli.data.prompts import PromptCursor
-from rlhf_cli.runtime.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlhf_cli.runtime.tracking import Tracker
+from rlhf_cli.runtime.runs.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf_cli.runtime.runs.tracking import Tracker
 
 
 def tracker(run_dir, **kw) -> Tracker:

@@ -17,8 +17,8 @@ from types import ModuleType
 from typing import Annotated, Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # before anything imports Ray
-from rlhf_cli.runtime.malloc import malloc_env  # imports nothing heavy
-from rlhf_cli.runtime.openmp import openmp_env
+from rlhf_cli.runtime.host.malloc import malloc_env  # imports nothing heavy
+from rlhf_cli.runtime.host.openmp import openmp_env
 
 os.environ.update(openmp_env(os.environ))  # before torch loads libgomp; the Ray processes we start inherit it
 os.environ.update(malloc_env(os.environ))  # read when a process starts: Ray's, not this one
@@ -86,7 +86,7 @@ def _config_command(
     """The shared front of every configured command: --help, --config + dotted flags, --print-config,
     --dry-run, then ``execute(cfg)``; errors become one line and exit status 2."""
     from rlhf_cli.config import ConfigError, build_config, dump_yaml
-    from rlhf_cli.runtime.failures import ActorDiedError, RunFinished  # (imports nothing heavy)
+    from rlhf_cli.runtime.runs.failures import ActorDiedError, RunFinished  # (imports nothing heavy)
 
     opts, flags = _split_options(list(ctx.args))
     if opts["help"]:
@@ -231,7 +231,7 @@ def _check_served_model(path: str) -> None:
     """``rlhf serve-rm``'s folder: a model folder (``check_model_dir``) with a trained score head."""
     from rlhf_learner.models import check_model_dir
 
-    from rlhf_cli.runtime.model_sizes import check_reward_model
+    from rlhf_cli.runtime.plan.model_sizes import check_reward_model
 
     try:
         check_model_dir(path, need_causal_lm=False)

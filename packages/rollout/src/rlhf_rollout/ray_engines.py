@@ -123,16 +123,12 @@ def create_engines(
     engine, the cores of its node it is bound to (:func:`pin_to_cores`)."""
     import ray
 
-    from rlhf_rollout.async_vllm_engine import AsyncEngineActor
-
     tp = tensor_parallel_size
-    if asynchronous and not rollout_backend(backend).capabilities.asynchronous:
-        raise ValueError(f"asynchronous: the {backend} rollout backend has no asynchronous engine")
     check_engine_counts(num_engines=num_engines, backend=backend, tp=tp, cpu_cores=cpu_cores)
     bundle_indices = resolve_bundle_indices(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
-    actor_cls = ray.remote(AsyncEngineActor if asynchronous else EngineActor)
+    actor_cls = ray.remote(_actor_class(backend, asynchronous=asynchronous))
     gpu = on_gpus(placement_group, bundle_indices, num_gpus_per_engine)
     kwargs = engine_arguments(backend=backend, engine_kwargs=engine_kwargs, tp=tp, gpu=gpu)
     handles = []
@@ -153,6 +149,16 @@ def create_engines(
     if wait:
         ray.get(engines_started(handles), timeout=start_timeout_s)
     return handles
+
+
+def _actor_class(backend: str, *, asynchronous: bool) -> type:
+    """:class:`AsyncEngineActor` for an asynchronous engine (refused for a backend without one), else
+    :class:`EngineActor`."""
+    from rlhf_rollout.async_vllm_engine import AsyncEngineActor
+
+    if asynchronous and not rollout_backend(backend).capabilities.asynchronous:
+        raise ValueError(f"asynchronous: the {backend} rollout backend has no asynchronous engine")
+    return AsyncEngineActor if asynchronous else EngineActor
 
 
 def engines_started(handles: Sequence[Any]) -> list[Any]:

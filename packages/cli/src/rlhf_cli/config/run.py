@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from rlhf_learner import StrategyOptions
 
 from rlhf_cli.config._base import Section
-from rlhf_cli.runtime.specs import ExportOptions
+from rlhf_cli.runtime.learners.specs import ExportOptions
 
 __all__ = [
     "DS_FIELDS_SET_ELSEWHERE",

@@ -12,9 +12,9 @@ from rlhf_cli.data.batches import dpo_batch
 from rlhf_cli.data.examples import PreferencePair, load_pairs
 from rlhf_cli.offline.reference import ReferenceObjective
 from rlhf_cli.offline.trainer import Groups, OfflineResult, offline_plan, run_command
-from rlhf_cli.runtime.placement import Plan
-from rlhf_cli.runtime.specs import DPOSettings
-from rlhf_cli.runtime.tracking import Display
+from rlhf_cli.runtime.learners.specs import DPOSettings
+from rlhf_cli.runtime.plan.placement import Plan
+from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = ["DPO_DISPLAY", "plan", "run"]
 

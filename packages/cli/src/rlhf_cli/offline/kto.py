@@ -13,9 +13,9 @@ from rlhf_cli.data.batches import kto_batch
 from rlhf_cli.data.examples import KTOExample, load_kto
 from rlhf_cli.offline.reference import ReferenceObjective
 from rlhf_cli.offline.trainer import Groups, OfflineResult, offline_plan, run_command
-from rlhf_cli.runtime.placement import Plan
-from rlhf_cli.runtime.specs import KTOSettings
-from rlhf_cli.runtime.tracking import Display
+from rlhf_cli.runtime.learners.specs import KTOSettings
+from rlhf_cli.runtime.plan.placement import Plan
+from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = ["KTO_DISPLAY", "plan", "run"]
 

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from rlhf_cli.data.examples import Example, KTOExample, PreferencePair
-from rlhf_cli.runtime.group import LearnerGroup
+from rlhf_cli.runtime.learners.group import LearnerGroup
 
 __all__ = ["SCORING_CHUNK", "ReferenceObjective", "sequence_logps", "with_reference"]
 

@@ -11,8 +11,8 @@ from rlhf_cli.config import RMConfig
 from rlhf_cli.data.batches import reward_batch
 from rlhf_cli.data.examples import PreferencePair, load_pairs
 from rlhf_cli.offline.trainer import Groups, OfflineResult, offline_plan, run_command
-from rlhf_cli.runtime.placement import Plan
-from rlhf_cli.runtime.tracking import Display
+from rlhf_cli.runtime.plan.placement import Plan
+from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = ["NORMALIZATION_SAMPLES", "RM_DISPLAY", "plan", "run"]
 

@@ -10,8 +10,8 @@ from rlhf_cli.config import SFTConfig
 from rlhf_cli.data.batches import sft_batch_from_examples
 from rlhf_cli.data.examples import Example, load_sft
 from rlhf_cli.offline.trainer import Groups, OfflineResult, offline_plan, run_command
-from rlhf_cli.runtime.placement import Plan
-from rlhf_cli.runtime.tracking import Display
+from rlhf_cli.runtime.plan.placement import Plan
+from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = ["SFT_DISPLAY", "plan", "run"]
 

@@ -15,16 +15,15 @@ from rlhf_cli.config import OfflineConfig
 from rlhf_cli.data.examples import ExampleSet, split_heldout
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
-from rlhf_cli.runtime.checkpoint import RunState, resumable_changes, zero_partitioned
-from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
-from rlhf_cli.runtime.failures import naming_nonfinite
-from rlhf_cli.runtime.group import LearnerGroup, launch_groups
-from rlhf_cli.runtime.model_sizes import ModelSizes
-from rlhf_cli.runtime.placement import Plan, make_offline_plan
-from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
-from rlhf_cli.runtime.specs import GroupSpec, RankLayout, Role, group_strategy
-from rlhf_cli.runtime.tracking import Display
-from rlhf_learner.strategy import training_backend
+from rlhf_cli.runtime.learners.group import LearnerGroup, launch_groups
+from rlhf_cli.runtime.learners.specs import GroupSpec, RankLayout, Role, group_strategy
+from rlhf_cli.runtime.plan.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.plan.model_sizes import ModelSizes
+from rlhf_cli.runtime.plan.placement import Plan, make_offline_plan
+from rlhf_cli.runtime.runs.checkpoint import RunState, resumable_changes, zero_partitioned
+from rlhf_cli.runtime.runs.failures import naming_nonfinite
+from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = [
     "Groups",
@@ -201,8 +200,7 @@ def run_command(
 
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg, with_ref)
-    reshards = training_backend(cfg.ds.backend).reshards_checkpoints
-    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, reshards=reshards)
+    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, backend=cfg.ds.backend)
     setup = prepare_run(cfg, pretrain=cfg.model.pretrain, plan_for=plan_for, resumable=resumable)
     _check_ref_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))

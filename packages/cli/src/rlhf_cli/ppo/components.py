@@ -14,13 +14,13 @@ from typing import Any
 
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.run import data_parallel_size
-from rlhf_cli.runtime.checkpoint import zero_partitioned
-from rlhf_cli.runtime.cluster import PlacementGroups
-from rlhf_cli.runtime.failures import Stops, get_all
-from rlhf_cli.runtime.group import LearnerGroup, launch_groups, worker_env
-from rlhf_cli.runtime.placement import GroupPlan, Plan, eager_engines
-from rlhf_cli.runtime.specs import GroupSpec, group_strategy
-from rlhf_cli.runtime.weight_sync import EngineWeightSync
+from rlhf_cli.runtime.learners.group import LearnerGroup, launch_groups, worker_env
+from rlhf_cli.runtime.learners.specs import GroupSpec, group_strategy
+from rlhf_cli.runtime.learners.weight_sync import EngineWeightSync
+from rlhf_cli.runtime.plan.cluster import PlacementGroups
+from rlhf_cli.runtime.plan.placement import GroupPlan, Plan, eager_engines
+from rlhf_cli.runtime.runs.checkpoint import zero_partitioned
+from rlhf_cli.runtime.runs.failures import Stops, get_all
 from rlhf_rollout import EngineClient, create_engines, engines_started
 from rlhf_rollout.backends import EngineSettings, rollout_backend
 

@@ -11,7 +11,7 @@ from rlhf_cli.data.batches import Sample, sft_batch
 from rlhf_cli.data.prompts import PromptSet, encode_prompt
 from rlhf_cli.demo import task
 from rlhf_cli.ppo.updates import micro_batches
-from rlhf_cli.runtime.protocols import ScoringGroup
+from rlhf_cli.runtime.learners.protocols import ScoringGroup
 from rlhf_rollout import AgentExecutorBase, SamplingParams
 
 __all__ = ["evaluate", "pass_metrics", "warmup"]

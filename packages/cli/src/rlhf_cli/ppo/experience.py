@@ -20,8 +20,8 @@ from rlhf_algos import (
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.algo import KLConfig
 from rlhf_cli.data.batches import Sample, pad_stack
-from rlhf_cli.runtime.late_reference import PendingScores
-from rlhf_cli.runtime.protocols import ScoringGroup
+from rlhf_cli.runtime.learners.late_reference import PendingScores
+from rlhf_cli.runtime.learners.protocols import ScoringGroup
 
 __all__ = ["Experience", "make_experience", "make_kl_controller", "score_reference"]
 

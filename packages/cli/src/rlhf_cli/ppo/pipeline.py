@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from rlhf_cli.ppo.rollout import RolloutBatch
-from rlhf_cli.runtime.weight_sync import SyncReport
+from rlhf_cli.runtime.learners.weight_sync import SyncReport
 
 __all__ = ["Pausable", "RolloutPipeline", "WeightPush", "staleness_metrics"]
 

@@ -21,14 +21,13 @@ from rlhf_cli.ppo.rewards import RewardStage
 from rlhf_cli.ppo.rollout import RolloutBatch, RolloutStage
 from rlhf_cli.ppo.sources import executor_factory
 from rlhf_cli.ppo.updates import update
-from rlhf_cli.runtime.checkpoint import RunState, resumable_changes
-from rlhf_cli.runtime.cluster import ClusterResources, placement_groups
-from rlhf_cli.runtime.memory_phases import MemoryPhases
-from rlhf_cli.runtime.model_sizes import ModelSizes
-from rlhf_cli.runtime.placement import Plan, make_plan
-from rlhf_cli.runtime.run import EvalSchedule, Run, dry_run_plan, prepare_run
-from rlhf_cli.runtime.specs import RankLayout
-from rlhf_learner.strategy import training_backend
+from rlhf_cli.runtime.learners.memory_phases import MemoryPhases
+from rlhf_cli.runtime.learners.specs import RankLayout
+from rlhf_cli.runtime.plan.cluster import ClusterResources, placement_groups
+from rlhf_cli.runtime.plan.model_sizes import ModelSizes
+from rlhf_cli.runtime.plan.placement import Plan, make_plan
+from rlhf_cli.runtime.runs.checkpoint import RunState, resumable_changes
+from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run
 from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
@@ -118,8 +117,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
-    reshards = training_backend(cfg.ds.backend).reshards_checkpoints
-    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), reshards=reshards)
+    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), backend=cfg.ds.backend)
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)

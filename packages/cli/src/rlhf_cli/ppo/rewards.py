@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from rlhf_algos import overlong_penalty, stop_penalty
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.runtime.protocols import ScoringGroup
+from rlhf_cli.runtime.learners.protocols import ScoringGroup
 from rlhf_rollout import Trajectory
 
 __all__ = ["RewardStage", "extra_log_means"]

@@ -10,10 +10,10 @@ from typing import TypeVar
 import torch
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample, policy_rows, value_batch
-from rlhf_cli.runtime.failures import naming_nonfinite
-from rlhf_cli.runtime.late_reference import PendingScores, Placement
-from rlhf_cli.runtime.protocols import PolicyGroup, ScoringGroup, ValueGroup
-from rlhf_cli.runtime.specs import PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.learners.late_reference import PendingScores, Placement
+from rlhf_cli.runtime.learners.protocols import PolicyGroup, ScoringGroup, ValueGroup
+from rlhf_cli.runtime.learners.specs import PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.runs.failures import naming_nonfinite
 from rlhf_learner import PolicyBatch, StepResult, balance_micro_batches
 
 __all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "policy_settings", "update"]

@@ -13,10 +13,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlhf_learner.strategy import training_backend
+
 from rlhf_cli.config.loading import flat_items
 from rlhf_cli.data.prompts import PromptCursor
-from rlhf_cli.runtime.failures import RunFinished
-from rlhf_cli.runtime.group import LearnerGroup
+from rlhf_cli.runtime.learners.group import LearnerGroup
+from rlhf_cli.runtime.runs.failures import RunFinished
 
 __all__ = [
     "RunFinished",
@@ -78,13 +80,14 @@ GROUP_SIZES = tuple(
 
 
 def resumable_changes(
-    *, lr_scheduled: bool, extra: tuple[str, ...] = (), reshards: bool = False
+    *, lr_scheduled: bool, extra: tuple[str, ...] = (), backend: str = "deepspeed"
 ) -> tuple[str, ...]:
     """``RESUMABLE_CHANGES`` plus ``extra``, less the run's length when a learning-rate schedule spans it
     (a resumed run with another length would follow another curve from the checkpoint's step on), plus the
-    groups' rank counts when the training backend ``reshards`` its checkpoints on load."""
+    groups' rank counts when the training ``backend`` reshards its checkpoints on load."""
     length = ("train.num_steps", "train.max_steps", "train.num_epochs")
     keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k in length))
+    reshards = training_backend(backend).reshards_checkpoints
     return (*keep, *extra, *(GROUP_SIZES if reshards else ()))
 
 

@@ -5,104 +5,30 @@ it without starting anything, and a plan that cannot fit (CPUs, GPUs, GPU memory
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from rlhf_learner import StrategyOptions
+from rlhf_learner.strategy import training_backend
+from rlhf_rollout.backends import MemoryQuery, rollout_backend
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_cli.config.run import RayConfig
-from rlhf_cli.runtime.cluster import ClusterResources, check_host_memory
-from rlhf_cli.runtime.cpu_threads import check_engine_workers, engine_threads, pinned, with_threads
-from rlhf_cli.runtime.model_sizes import (
+from rlhf_cli.runtime.host.cpu_threads import check_engine_workers, engine_threads, pinned, with_threads
+from rlhf_cli.runtime.plan.cluster import check_host_memory
+from rlhf_cli.runtime.plan.colocation import colocate, colocation_lines
+from rlhf_cli.runtime.plan.model_sizes import (
     ModelShape,
     ModelSizes,
     activation_bytes,
     check_positions,
     model_sizes,
 )
-from rlhf_learner import StrategyOptions
-from rlhf_learner.strategy import training_backend
-from rlhf_rollout.backends import MemoryQuery, rollout_backend
+from rlhf_cli.runtime.plan.types import ClusterResources, GroupPlan, Plan, parts_note
 
 __all__ = ["EAGER_BELOW_PARAMS", "GroupPlan", "Plan", "eager_engines", "make_offline_plan", "make_plan"]
 
 _GIB = 2**30
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupPlan:
-    name: str
-    """actor, critic, ref, reward, model or engines."""
-    processes: int
-    bundle: dict[str, float]
-    """Resources of each bundle (one per process)."""
-    parts: dict[str, float]
-    """Memory per process in GiB: weights, grads+optimizer, activations (learners on GPU), KV (engines)."""
-    params: int = 0
-    note: str = ""
-    flags: tuple[str, ...] = ()
-    """Flags that lower this group's memory (named when a GPU cannot hold it)."""
-    threads: int = 0
-    """torch threads of each rank or CPU engine process (0: the group sets its own, e.g. GPU engines)."""
-    cores: tuple[int, ...] = ()
-    """CPU runs with pinned cores: the cores (indices into each node's allowed cores) this group's
-    processes on a node are bound to; empty: not pinned."""
-    share: str | None = None
-    """Colocated: the group whose placement group (bundles) this one's processes sit on."""
-    members: tuple[str, ...] = ()
-    """Colocated, on the hosting group: the groups that share its bundles."""
-    nodes: int = 1
-    """Nodes the processes span, ``processes // nodes`` on each: one bundle per node, every bundle on a
-    node of its own (``--<group>.num_nodes``). 1: one bundle per process, packed onto as few nodes as fit."""
-
-    def bundle_index(self, process: int) -> int:
-        """The bundle that process ``process`` (a rank, or a colocated member's process) sits on."""
-        return process // (self.processes // self.nodes) if self.nodes > 1 else process
-
-    @property
-    def memory_gib(self) -> float:
-        return sum(self.parts.values())
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    device: str
-    """cuda or cpu."""
-    groups: list[GroupPlan]
-    transport: str
-    resources: ClusterResources
-    num_params: int
-    """The actor's (offline: the trained model's) parameters."""
-    notes: list[str] = field(default_factory=list)
-
-    def group(self, name: str) -> GroupPlan | None:
-        return next((g for g in self.groups if g.name == name), None)
-
-    def render(self) -> str:
-        lines = [
-            f"cluster: {self.resources.nodes} node(s), {self.resources.cpus:g} CPUs, {self.resources.gpus} GPUs "
-            f"-> {self.device} bundles; model: {self.num_params / 1e6:.2f}M parameters",
-            f"{'group':<8} {'processes':>9}  {'bundle each':<22} {'memory each':>11}  note",
-        ]
-        for g in self.groups:
-            bundle = ", ".join(f"{k}: {v:g}" for k, v in g.bundle.items())
-            threads = f"; {g.threads} thread(s) each" if g.threads else ""
-            threads += f" on core(s) {_span(g.cores)}" if g.cores else ""
-            threads += f"; {g.processes // g.nodes} on each of {g.nodes} nodes" if g.nodes > 1 else ""
-            note = f"{g.note}{threads}; {g.params / 1e6:.2f}M params: {_parts_note(g.parts)}"
-            lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
-        if (e := self.group("engines")) is not None:
-            sync = f"weight sync: actor rank 0 -> {e.processes} engine process(es) over {self.transport}"
-            lines.append(sync)
-        lines += self.notes
-        return "\n".join(lines)
-
-
-def _span(cores: tuple[int, ...]) -> str:
-    return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
-
-
-def _parts_note(parts: dict[str, float]) -> str:
-    return " + ".join(f"{k} {v:.2f}" for k, v in parts.items()) + " GiB"
 
 
 @dataclass(frozen=True)
@@ -244,7 +170,7 @@ def _check_memory(groups: list[GroupPlan], resources: ClusterResources, ray_cfg:
             continue
         first = {g.name: g for g in share}  # one GroupPlan per group, in the order they appear
         who = " + ".join(
-            f"{sum(g is p for p in share)} x {n} ({_parts_note(g.parts)})" for n, g in first.items()
+            f"{sum(g is p for p in share)} x {n} ({parts_note(g.parts)})" for n, g in first.items()
         )
         flags = list(dict.fromkeys(f for g in share for f in g.flags))
         flags += ["--ray.gpus_per_worker"] if len(share) > 1 else []
@@ -379,8 +305,6 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
         # s/step, against 1.30 on the learners' core and 1.42 on the engines').
         floating = ("ref",) if cfg.train.async_.enabled else ()
         groups = pinned(groups, per_node, resources, floating=floating)
-    from rlhf_cli.runtime.colocation import colocate, colocation_lines
-
     groups = colocate(groups, cfg.colocated)
     n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
     check_engine_workers(groups, resources, tp=tp, engines=n)

@@ -7,9 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
-from rlhf_cli.runtime.late_reference import LateReference, PendingScores
-from rlhf_cli.runtime.specs import GroupSpec, PolicyLossSettings, ValueLossSettings
 from rlhf_learner import PolicyBatch, StepResult, ValueBatch
+
+from rlhf_cli.runtime.learners.late_reference import LateReference, PendingScores
+from rlhf_cli.runtime.learners.specs import GroupSpec, PolicyLossSettings, ValueLossSettings
 
 __all__ = ["PolicyGroup", "ScoringGroup", "ValueGroup"]
 

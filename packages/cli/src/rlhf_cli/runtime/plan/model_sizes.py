@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 from rlhf_learner.models.loading import max_positions
+
+from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
 
 __all__ = [
     "ModelShape",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlhf_cli.config import OfflineConfig, PPOConfig
 from rlhf_learner.hardware import MatmulSpeed, cpu_matmul_speed
+
+from rlhf_cli.config import OfflineConfig, PPOConfig
 
 __all__ = ["SLOW_BF16", "bf16_flags", "slow_bf16_note"]
 

@@ -2,7 +2,7 @@
 
 ``LearnerGroup`` splits work over the ranks, starts the same typed call on every rank at once
 (DeepSpeed's collectives need every rank) and waits with the group's timeout. The stages see it
-through the small Protocols of ``rlhf_cli.runtime.protocols``.
+through the small Protocols of ``rlhf_cli.runtime.learners.protocols``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from rlhf_cli.runtime.failures import Stops, get_all, raise_a_death_among
-from rlhf_cli.runtime.late_reference import LateReference, PendingScores
-from rlhf_cli.runtime.malloc import MALLOC_SETTINGS, malloc_env
-from rlhf_cli.runtime.openmp import openmp_env
-from rlhf_cli.runtime.specs import (
+from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, StepResult, ValueBatch
+
+from rlhf_cli.runtime.host.malloc import MALLOC_SETTINGS, malloc_env
+from rlhf_cli.runtime.host.openmp import openmp_env
+from rlhf_cli.runtime.learners.late_reference import LateReference, PendingScores
+from rlhf_cli.runtime.learners.specs import (
     DPOSettings,
     ExportOptions,
     GroupSpec,
@@ -26,12 +27,12 @@ from rlhf_cli.runtime.specs import (
     RankLayout,
     ValueLossSettings,
 )
-from rlhf_cli.runtime.worker import LearnerWorker
-from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, StepResult, ValueBatch
+from rlhf_cli.runtime.learners.worker import LearnerWorker
+from rlhf_cli.runtime.runs.failures import Stops, get_all, raise_a_death_among
 
 if TYPE_CHECKING:
-    from rlhf_cli.runtime.cluster import PlacementGroups
-    from rlhf_cli.runtime.placement import GroupPlan, Plan
+    from rlhf_cli.runtime.plan.cluster import PlacementGroups
+    from rlhf_cli.runtime.plan.placement import GroupPlan, Plan
 
 __all__ = ["LearnerGroup", "launch_groups", "worker_env"]
 
@@ -139,7 +140,7 @@ class LearnerGroup:
         self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
     ) -> PendingScores:
         """Start ``forward`` on every rank and wait for nothing: its results stay in Ray's object store,
-        for the ranks of another group to fetch (:mod:`rlhf_cli.runtime.late_reference`)."""
+        for the ranks of another group to fetch (:mod:`rlhf_cli.runtime.learners.late_reference`)."""
         call = lambda w, a: w.forward.remote(**a, micro_batch_size=micro_batch_size, packing=packing)  # noqa: E731
         return self._start(call, sequences=sequences)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rlhf_cli.runtime.specs import DPOSettings, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.learners.specs import DPOSettings, KTOSettings, PolicyLossSettings, ValueLossSettings
 
 __all__ = ["dpo_step_args", "kto_step_args", "policy_step_args", "value_step_args"]
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlhf_cli.config import ConfigError
-from rlhf_cli.runtime.cluster import ClusterResources
+from rlhf_cli.runtime.plan.types import ClusterResources
 
 if TYPE_CHECKING:
-    from rlhf_cli.runtime.placement import GroupPlan
+    from rlhf_cli.runtime.plan.types import GroupPlan
 
 __all__ = ["check_engine_workers", "engine_threads", "pinned", "with_threads"]
 

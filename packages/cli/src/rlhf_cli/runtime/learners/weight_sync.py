@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_cli.runtime.failures import get_all
-from rlhf_cli.runtime.group import LearnerGroup
+from rlhf_cli.runtime.learners.group import LearnerGroup
+from rlhf_cli.runtime.runs.failures import get_all
 
 __all__ = ["EngineWeightSync", "SyncReport"]
 

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig, dump_yaml
-from rlhf_cli.runtime.checkpoint import (
+from rlhf_cli.runtime.host.precision import slow_bf16_note
+from rlhf_cli.runtime.plan.cluster import ClusterResources, local_resources, start_ray
+from rlhf_cli.runtime.plan.model_sizes import ModelSizes, model_sizes
+from rlhf_cli.runtime.plan.placement import Plan
+from rlhf_cli.runtime.runs.checkpoint import (
     RESUMABLE_CHANGES,
     STATE_FILE,
     RunFinished,
@@ -28,12 +32,8 @@ from rlhf_cli.runtime.checkpoint import (
     read_run_state,
     save_checkpoint,
 )
-from rlhf_cli.runtime.cluster import ClusterResources, local_resources, start_ray
-from rlhf_cli.runtime.model_sizes import ModelSizes, model_sizes
-from rlhf_cli.runtime.placement import Plan
-from rlhf_cli.runtime.precision import slow_bf16_note
-from rlhf_cli.runtime.session import RunSession, run_session
-from rlhf_cli.runtime.tracking import PPO_DISPLAY, Display, Tracker, check_wandb_login
+from rlhf_cli.runtime.runs.session import RunSession, run_session
+from rlhf_cli.runtime.runs.tracking import PPO_DISPLAY, Display, Tracker, check_wandb_login
 
 __all__ = ["EvalSchedule", "PlanFn", "Run", "RunSetup", "dry_run_plan", "prepare_run", "resolve_model"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rlhf_cli.config.loading import ConfigError
-from rlhf_cli.runtime.placement import GroupPlan
+from rlhf_cli.runtime.plan.types import GroupPlan
 
 __all__ = ["colocate", "colocation_lines"]
 

@@ -8,18 +8,6 @@ import socket
 from typing import Any
 
 import torch
-from rlhf_cli.data.batches import to_rows
-from rlhf_cli.runtime import losses, tensor_wire
-from rlhf_cli.runtime.late_reference import LateReference, ref_logp_of
-from rlhf_cli.runtime.specs import (
-    DPOSettings,
-    ExportOptions,
-    GroupSpec,
-    KTOSettings,
-    PolicyLossSettings,
-    RankLayout,
-    ValueLossSettings,
-)
 from rlhf_learner import (
     DPOBatch,
     KTOBatch,
@@ -28,6 +16,19 @@ from rlhf_learner import (
     SFTBatch,
     StepResult,
     ValueBatch,
+)
+
+from rlhf_cli.data.batches import to_rows
+from rlhf_cli.runtime.learners import losses, tensor_wire
+from rlhf_cli.runtime.learners.late_reference import LateReference, ref_logp_of
+from rlhf_cli.runtime.learners.specs import (
+    DPOSettings,
+    ExportOptions,
+    GroupSpec,
+    KTOSettings,
+    PolicyLossSettings,
+    RankLayout,
+    ValueLossSettings,
 )
 
 __all__ = ["LearnerWorker", "build_model"]
@@ -177,7 +178,7 @@ class LearnerWorker:
         late_reference: LateReference | None = None,
     ) -> StepResult:
         """``late_reference``: the micro-batches carry no reference log-probs; fetch them from the
-        reference group's results once the first forward has run (:mod:`rlhf_cli.runtime.late_reference`)."""
+        reference group's results once the first forward has run (:mod:`rlhf_cli.runtime.learners.late_reference`)."""
         from rlhf_learner import ppo_actor_step
 
         kw = losses.policy_step_args(settings)

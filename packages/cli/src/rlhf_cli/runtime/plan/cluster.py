@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
-from rlhf_cli.runtime.failures import Stops
+from rlhf_cli.runtime.plan.types import ClusterResources
+from rlhf_cli.runtime.runs.failures import Stops
 
 if TYPE_CHECKING:
-    from rlhf_cli.runtime.placement import Plan
+    from rlhf_cli.runtime.plan.types import Plan
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Read by Ray once, when first imported: ``0`` makes a local cluster listen on loopback only."""
@@ -26,20 +26,6 @@ __all__ = [
     "placement_groups",
     "start_ray",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterResources:
-    cpus: float
-    gpus: int
-    nodes: int
-    node_ips: tuple[str, ...] = ()
-    gpu_memory_gib: float | None = None
-    """Memory of one GPU in GiB (this machine's first GPU; on a Ray cluster the driver's node's); None:
-    unknown or no GPU, and then plans are not checked against device memory."""
-    host_memory_gib: float | None = None
-    """Memory of the one node of a local cluster in GiB; None (a joined cluster, whose nodes may differ
-    from the driver's): CPU engines' KV caches are not checked against it."""
 
 
 def _host_memory_gib() -> float:
@@ -99,7 +85,8 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
     if not address:
         _loopback_only()
     import ray
-    from rlhf_cli.runtime import tensor_wire
+
+    from rlhf_cli.runtime.learners import tensor_wire
 
     started = False
     if not ray.is_initialized():

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_cli.config import OfflineConfig, PPOConfig
-from rlhf_cli.runtime.cluster import ClusterResources, start_ray
-from rlhf_cli.runtime.failures import ActorDiedError, dead_actor, describe_death, lost_host
-from rlhf_cli.runtime.tracking import Tracker
+from rlhf_cli.runtime.plan.cluster import ClusterResources, start_ray
+from rlhf_cli.runtime.runs.failures import ActorDiedError, dead_actor, describe_death, lost_host
+from rlhf_cli.runtime.runs.tracking import Tracker
 
 __all__ = ["RunSession", "run_session"]
 
@@ -69,7 +69,7 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
 
 
 def _resume_hint(cfg: PPOConfig | OfflineConfig) -> str:
-    from rlhf_cli.runtime.checkpoint import latest_checkpoint
+    from rlhf_cli.runtime.runs.checkpoint import latest_checkpoint
 
     try:
         found = latest_checkpoint(Path(cfg.logger.run_dir) / "checkpoints")

@@ -1,0 +1,1 @@
+"""Learner groups: the driver's ``LearnerGroup``, each rank's ``LearnerWorker`` (a Ray actor), what crosses the Ray boundary (specs, loss settings, tensors), late reference log-probs, engine weight sync and the hybrid engine's memory phases."""

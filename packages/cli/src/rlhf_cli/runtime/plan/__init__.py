@@ -1,0 +1,1 @@
+"""The cluster and the placement plan: Ray started or joined, what it offers, which group gets which bundles and memory (``--dry-run``), colocation, and model sizes. ``types`` holds the plan's data and imports nothing from the placement logic."""
