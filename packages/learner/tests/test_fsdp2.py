@@ -69,3 +69,56 @@ def test_the_registry_names_its_backends_and_refuses_a_second_under_one_name():
     with pytest.raises(ValueError, match="registered already"):
         register_training_backend("fsdp2")(type("Other", (), {}))
     assert TRAINING_BACKENDS["fsdp2"] is FSDP2Strategy
+
+
+def _critic_batch():
+    from rlhf_learner import ValueBatch
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 400, (3, 10), generator=g)
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[:, :3] = False
+    returns, old = torch.randn(3, 10, generator=g), torch.randn(3, 10, generator=g)
+    return ValueBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), action_mask=mask, returns=returns, old_values=old
+    )
+
+
+@pytest.mark.parametrize("feature", ["critic-head", "gradient-checkpointing", "lr-schedule", "compile"])
+def test_fsdp2_features_reach_deepspeeds_losses(dist_single, tiny_model_dir, feature):
+    """The same steps on the same batch under both backends (one rank, fp32): a critic's value head,
+    gradient checkpointing, a warmup + cosine LR schedule, and a compiled model (LoRA, packing and ring
+    attention: test_distributed.py)."""
+    import functools
+
+    from rlhf_algos import aggregate_loss, sft_loss, value_loss
+    from rlhf_learner import Actor, ModelOptions, SFTBatch, critic_step, load_causal_lm, load_critic, sft_step
+    from rlhf_learner.strategy import LRSchedule, StrategyOptions, make_strategy
+
+    schedule = (
+        LRSchedule(kind="cosine", warmup_steps=2, total_steps=4) if feature == "lr-schedule" else LRSchedule()
+    )
+    options = ModelOptions(
+        gradient_checkpointing=feature == "gradient-checkpointing", compile=feature == "compile"
+    )
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 400, (2, 12), generator=g)
+    sft = SFTBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids).bool())
+    losses = {}
+    for backend in ("deepspeed", "fsdp2"):
+        torch.manual_seed(0)  # the critic's new value head starts alike
+        strategy = make_strategy(
+            StrategyOptions(backend=backend, zero_stage=0, lr=1e-2, lr_schedule=schedule)
+        )
+        if feature == "critic-head":
+            engine = strategy.prepare(load_critic(tiny_model_dir, ds_config=strategy.loader_config()))
+            vl = functools.partial(value_loss, clip_eps=None)
+            agg = functools.partial(aggregate_loss, mode="token-mean")
+            step = lambda: critic_step(engine, [_critic_batch()], value_loss_fn=vl, aggregate_fn=agg)  # noqa: B023, E731
+        else:
+            model = load_causal_lm(tiny_model_dir, options=options, ds_config=strategy.loader_config())
+            engine = strategy.prepare(Actor(model, compile=options.compile))
+            step = lambda: sft_step(engine, [sft], sft_loss_fn=sft_loss)  # noqa: B023, E731
+        losses[backend] = [step().loss for _ in range(4)]
+    assert losses["fsdp2"] == pytest.approx(losses["deepspeed"], rel=1e-5)
+    assert losses["fsdp2"][-1] < losses["fsdp2"][0]
