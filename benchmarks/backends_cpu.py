@@ -1,6 +1,6 @@
 """Training backends on CPU: fsdp2 against deepspeed on the same work, in one run.
 
-    uv run python benchmarks/backends_cpu.py [--repeats 3] [--model small|tiny]
+    uv run python benchmarks/backends_cpu.py [--repeats 3] [--model-size small|tiny]
 
 The ``small`` model (~23M parameters) trains SFT steps on learner_cpu.py's packed, length-skewed batch
 (64 sequences, 8 micro-batches per step, split over the ranks), fp32, every rank on one thread:

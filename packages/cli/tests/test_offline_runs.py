@@ -389,3 +389,29 @@ def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(
             assert [r["train/loss"] for r in b] == pytest.approx([r["train/loss"] for r in a[1:]], rel=1e-5)
             for k in expected:
                 torch.testing.assert_close(got[k], expected[k], atol=1e-5, rtol=0)
+
+
+def test_fsdp2_lora_on_two_ranks_exports_its_adapter_and_merged_model(
+    ray_cluster, demo_model_dir, data, tmp_path
+):
+    """LoRA SFT with fsdp2 on two ranks: the adapter (gathered from both ranks' shards) applied to the base
+    gives the function of the merged export."""
+    result = run(
+        SFTConfig, "sft", tmp_path / "lora", *on(demo_model_dir, data / "sft.jsonl"),
+        "--train.batch_size", "8", "--train.max_steps", "2", "--train.micro_batch_size", "4",
+        "--eval.every", "0", "--lora.rank", "4", "--lora.alpha", "8", "--model.lr", "0.01",
+        "--ds.backend", "fsdp2", "--model.num_devices_per_node", "2",
+    )  # fmt: skip
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45]])
+    base = AutoModelForCausalLM.from_pretrained(str(demo_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_adapter = PeftModel.from_pretrained(base, str(result.adapter)).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(result.final_model), dtype=torch.float32)(
+            ids
+        ).logits
+    assert (with_adapter - plain).abs().max() > 1e-3
+    torch.testing.assert_close(merged, with_adapter, atol=1e-5, rtol=1e-5)

@@ -464,16 +464,23 @@ def test_cpu_engines_run_a_tiny_policy_eagerly_and_a_larger_one_compiled():
 
 
 def test_an_fsdp2_group_is_planned_as_its_backend_shards_it():
-    """fsdp2 shards a trained model's weights, gradients and optimizer states over its ranks whatever
-    --ds.zero_stage says (2: kept gathered only between a layer's forward and backward), where ZeRO-2
-    keeps whole weights (both shard gradients and optimizer states); a frozen reference is sharded only at stage 3, as DeepSpeed's."""
+    """fsdp2 at --ds.zero_stage 3 keeps parameters, gradients and optimizer states sharded, as ZeRO-3; at
+    2 a trained model holds whole parameters (gathered for the backward) and whole gradients (accumulated)
+    at its peak, only its optimizer states sharded: more than ZeRO-2, which shards gradients."""
     two = ("--actor.num_devices_per_node", "2", "--ref.num_devices_per_node", "2", "--algo.kl.coef", "0.1")
     two += ("--train.warmup_sft_steps", "0")
-    ds = make_plan(ppo(*two, "--ds.zero_stage", "2"), CPU, sizes=ModelSizes(actor=MID, ref=MID))
-    fsdp2 = make_plan(
-        ppo(*two, "--ds.zero_stage", "2", "--ds.backend", "fsdp2"), CPU, sizes=ModelSizes(actor=MID, ref=MID)
-    )
-    assert fsdp2.group("actor").parts["weights"] == pytest.approx(ds.group("actor").parts["weights"] / 2)
-    assert fsdp2.group("actor").parts["grads+optimizer"] == ds.group("actor").parts["grads+optimizer"]
-    assert fsdp2.group("ref").parts == ds.group("ref").parts  # replicas on both
-    assert fsdp2.group("actor").note.startswith("FSDP2") and ds.group("actor").note.startswith("ZeRO-2")
+    sizes = ModelSizes(actor=MID, ref=MID)
+    plans = {
+        (backend, stage): make_plan(
+            ppo(*two, "--ds.zero_stage", stage, "--ds.backend", backend), CPU, sizes=sizes
+        )
+        for backend in ("deepspeed", "fsdp2")
+        for stage in ("2", "3")
+    }
+    for group in ("actor", "ref"):
+        assert plans["fsdp2", "3"].group(group).parts == plans["deepspeed", "3"].group(group).parts
+    ds, fsdp2 = plans["deepspeed", "2"].group("actor"), plans["fsdp2", "2"].group("actor")
+    assert fsdp2.parts["weights"] == ds.parts["weights"]
+    assert fsdp2.parts["grads+optimizer"] > ds.parts["grads+optimizer"]
+    assert plans["fsdp2", "2"].group("ref").parts == plans["deepspeed", "2"].group("ref").parts  # replicas
+    assert fsdp2.note.startswith("FSDP2") and ds.note.startswith("ZeRO-2")

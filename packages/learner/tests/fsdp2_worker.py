@@ -87,9 +87,13 @@ def resume(model_dir: str, rank: int, world: int, out: Path, source_world: int) 
     strategy.load_checkpoint(engine, out / f"fsdp2_ckpt_w{source_world}")
     loaded = strategy.full_state_dict(engine.module.model)
     saved = torch.load(out / f"weights_fsdp2_step2_w{source_world}.pt")
+    resumed_loss = ppo_step(engine, mbs).loss
+    after = strategy.full_state_dict(engine.module.model)  # the optimizer's state moved them as it did there
+    final = torch.load(out / f"weights_fsdp2_w{source_world}.pt")
     return {
         "loaded_max_diff": max((loaded[k] - saved[k]).abs().max().item() for k in saved),
-        "resumed_loss": ppo_step(engine, mbs).loss,
+        "resumed_loss": resumed_loss,
+        "after_step_max_diff": max((after[k] - final[k]).abs().max().item() for k in final),
         "optimizer_steps": engine.global_steps,
     }
 

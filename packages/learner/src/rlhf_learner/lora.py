@@ -74,9 +74,11 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     return get_peft_model(model, config)
 
 
-def save_adapter(peft_model: nn.Module, directory: str | Path) -> Path:
-    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) only."""
-    peft_model.save_pretrained(str(directory))
+def save_adapter(peft_model: nn.Module, directory: str | Path, *, state_dict: dict | None = None) -> Path:
+    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) only. ``state_dict``:
+    the model's full weights, gathered (a sharded model's own parameters hold shards), whose adapter
+    entries peft picks."""
+    peft_model.save_pretrained(str(directory), state_dict=state_dict)
     return Path(directory)
 
 

@@ -191,14 +191,16 @@ class AsyncEngineActor:
     methods are coroutines on one event loop, so a weight update, a pause or a version query is served
     while ``generate`` calls are still running (a synchronous actor would queue them behind)."""
 
-    def __init__(self, *, backend: str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
+    def __init__(self, *, backend: Any, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
+        """``backend``: a ``RolloutBackend`` or its registered name."""
         allowed = os.sched_getaffinity(0)
         if cpu_cores:
             pin_to_cores(cpu_cores)  # the engine core process it starts inherits the binding
         bind_sharded_workers(engine_kwargs)
         from rlhf_rollout.backends import rollout_backend
 
-        self.engine = rollout_backend(backend).make_async_engine(engine_kwargs)
+        chosen = rollout_backend(backend) if isinstance(backend, str) else backend
+        self.engine = chosen.make_async_engine(engine_kwargs)
         if cpu_cores:  # the front end (requests in, outputs out, its ZMQ threads) on any core: bound beside
             bind_all_threads(allowed)  # its engine core, it took a sixth of that core at 0.4M parameters
 

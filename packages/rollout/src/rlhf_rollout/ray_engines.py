@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from rlhf_rollout.backends import rollout_backend
+from rlhf_rollout.backends import RolloutBackend, rollout_backend
 from rlhf_rollout.cores import bind_sharded_workers, pin_to_cores
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.engine_setup import (
@@ -29,11 +29,15 @@ class EngineActor:
     """Holds one engine inside a Ray actor. Methods are typed and keyword-only. ``cpu_cores``: pin the
     engine to these cores (:func:`pin_to_cores`)."""
 
-    def __init__(self, *, backend: str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()) -> None:
+    def __init__(
+        self, *, backend: RolloutBackend | str, engine_kwargs: dict[str, Any], cpu_cores: Sequence[int] = ()
+    ) -> None:
         if cpu_cores:
             pin_to_cores(cpu_cores)
         bind_sharded_workers(engine_kwargs)
-        self.engine = rollout_backend(backend).make_engine(engine_kwargs)
+        self.engine = (rollout_backend(backend) if isinstance(backend, str) else backend).make_engine(
+            engine_kwargs
+        )
 
     def generate(self, *, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         return self.engine.generate(prompts, params)
@@ -129,6 +133,7 @@ def create_engines(
         num_engines=num_engines, tp=tp, placement_group=placement_group, bundle_indices=bundle_indices
     )
     actor_cls = ray.remote(_actor_class(backend, asynchronous=asynchronous))
+    chosen = rollout_backend(backend)  # the object, not its name: a backend registered here reaches the actor
     gpu = on_gpus(placement_group, bundle_indices, num_gpus_per_engine)
     kwargs = engine_arguments(backend=backend, engine_kwargs=engine_kwargs, tp=tp, gpu=gpu)
     handles = []
@@ -144,7 +149,7 @@ def create_engines(
         )
         cores = list(cpu_cores[i]) if cpu_cores else []
         handles.append(
-            actor_cls.options(**options).remote(backend=backend, engine_kwargs=kwargs, cpu_cores=cores)
+            actor_cls.options(**options).remote(backend=chosen, engine_kwargs=kwargs, cpu_cores=cores)
         )
     if wait:
         ray.get(engines_started(handles), timeout=start_timeout_s)

@@ -12,7 +12,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_backend", "free_port", "init_distributed", "interface_towards", "reserve_port"]
+__all__ = [
+    "CPU_AND_CUDA",
+    "default_backend",
+    "free_port",
+    "init_distributed",
+    "interface_towards",
+    "reserve_port",
+]
+
+CPU_AND_CUDA = "cpu:gloo,cuda:nccl"
+"""A process group with NCCL for CUDA tensors and gloo for CPU ones (FSDP2 with CPU offload reduces
+CPU-resident gradient shards)."""
 
 
 def default_backend() -> str:
@@ -69,10 +80,11 @@ def init_distributed(
     timeout_s: float = 600.0,
     listener: socket.socket | None = None,
 ) -> tuple[int, int]:
-    """Join the default process group through DeepSpeed and return ``(rank, world_size)``.
+    """Join the default process group (adopted by DeepSpeed) and return ``(rank, world_size)``.
 
     Arguments override ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``; with none of them
-    set, a single process joins a group of one on 127.0.0.1 and a free port. On CPU the backend is gloo
+    set, a single process joins a group of one on 127.0.0.1 and a free port. ``backend``: gloo on CPU,
+    nccl on GPU by default, or :data:`CPU_AND_CUDA` (torch's group alone, not DeepSpeed's). On CPU the backend is gloo
     and DeepSpeed's shared-memory communication op is switched off first (otherwise DeepSpeed
     JIT-compiles it for minutes and needs a compiler). Every collective gets ``timeout_s``, so a dead
     peer raises instead of hanging. Calling it again in an initialised process is a no-op.
@@ -92,16 +104,19 @@ def init_distributed(
         return dist.get_rank(), dist.get_world_size()
     _set_rendezvous_env(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     backend = backend or default_backend()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if backend not in ("gloo", "nccl", CPU_AND_CUDA):
+        raise ValueError(f"backend: expected 'gloo', 'nccl' or {CPU_AND_CUDA!r}, got {backend!r}")
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if backend == CPU_AND_CUDA:  # (DeepSpeed takes one backend name: the group is torch's alone)
+        _join_bound_to_master(backend, timedelta(seconds=timeout_s), listener)
+        return dist.get_rank(), dist.get_world_size()
 
     import deepspeed
     import deepspeed.ops
 
     if backend == "gloo":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     _join_bound_to_master(backend, timedelta(seconds=timeout_s), listener)
     deepspeed.init_distributed(  # adopts the group just made
         dist_backend=backend,
@@ -143,7 +158,7 @@ def _join_bound_to_master(backend: str, timeout: timedelta, listener: socket.soc
     if rank == 0:
         fd = listener.detach() if listener is not None else _listening_fd(addr, port)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if "gloo" in backend and "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = interface_towards(addr)
         if iface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = iface

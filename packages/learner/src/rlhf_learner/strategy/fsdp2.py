@@ -3,11 +3,13 @@ precision, CPU offload, ``torch.distributed.checkpoint`` checkpoints (resharded 
 parameter (or one weight-sync bucket) at a time.
 
 How ``StrategyOptions`` read here: ``zero_stage`` 3 frees each layer's gathered parameters after its
-forward (``reshard_after_forward``: ZeRO-3's memory); 0-2 keep them until the backward (ZeRO-2's
-traffic); parameters, gradients and optimizer states are sharded over the ranks either way. ``precision``
-``bf16`` computes in bf16 over fp32 sharded parameters and reduces gradients in fp32
-(``MixedPrecisionPolicy``). ``offload_params`` keeps parameters, gradients and the optimizer step on the
-host (``CPUOffloadPolicy``).
+forward (``reshard_after_forward``) and reduce-scatters gradients after every micro-batch, so parameters,
+gradients and optimizer states stay sharded (ZeRO-3's memory); 0-2 keep the gathered parameters from a
+layer's forward to its backward and accumulate whole gradients until the window's last micro-batch
+(less traffic; ZeRO-1's peak memory). ``precision`` ``bf16`` computes in bf16 over fp32 sharded
+parameters and reduces gradients in fp32 (``MixedPrecisionPolicy``). ``offload_params`` keeps
+parameters, gradients and the optimizer step on the host (``CPUOffloadPolicy``; on GPUs the process
+group then carries gloo for CPU tensors beside NCCL).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def _full_tensors(params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]
 class FSDP2Engine:
     """A model under ``fully_shard`` with its optimizer and LR scheduler, shaped as the update steps'
     ``TrainEngine``: ``backward`` and ``step`` once per micro-batch; the window's last ``step`` clips,
-    steps the optimizer and the schedule. Gradients are reduce-scattered on that last micro-batch only."""
+    steps the optimizer and the schedule. Gradients are reduce-scattered after every micro-batch at
+    zero_stage 3, else on the window's last only."""
 
     reports_grad_norm = True
     """``get_global_grad_norm`` gives every optimizer step's norm (measured while clipping)."""
@@ -106,8 +109,8 @@ class FSDP2Engine:
             raise RuntimeError("backward: this engine was prepared for inference (train=False)")
         if scale_wrt_gas:
             loss = loss / self._options.grad_accum_steps
-        if hasattr(self.module, "set_requires_gradient_sync"):
-            self.module.set_requires_gradient_sync(self._at_boundary())
+        if hasattr(self.module, "set_requires_gradient_sync"):  # stage 3: sharded gradients throughout
+            self.module.set_requires_gradient_sync(self._options.zero_stage == 3 or self._at_boundary())
         loss.backward()
 
     def step(self) -> None:
@@ -168,13 +171,24 @@ class FSDP2Strategy(RankedStrategy):
 
     @classmethod
     def sharding_stage(cls, options: StrategyOptions, *, train: bool) -> int:
-        """Trained: parameters, gradients and optimizer states all sharded at rest; frozen: sharded at
-        zero_stage 3, else replicas."""
-        return 3 if train or options.zero_stage == 3 else 0
+        """At its peak: zero_stage 3 keeps everything sharded; a trained model at 0-2 holds whole
+        parameters (gathered for the backward) and gradients (accumulated), its optimizer states sharded;
+        a frozen one at 0-2 is a replica."""
+        if options.zero_stage == 3:
+            return 3
+        return 1 if train else 0
 
     @classmethod
     def describe(cls, options: StrategyOptions) -> str:
         return "FSDP2 full shard" if options.zero_stage == 3 else "FSDP2 (layers kept for backward)"
+
+    def setup_distributed(self, **kwargs: Any) -> tuple[int, int]:
+        """As every backend's, with gloo beside NCCL on GPUs when parameters are offloaded to the host."""
+        if torch.cuda.is_available() and self.options.offload_params and "backend" not in kwargs:
+            from rlhf_learner.strategy.distributed import CPU_AND_CUDA
+
+            kwargs["backend"] = CPU_AND_CUDA
+        return super().setup_distributed(**kwargs)
 
     def loader_config(self, *, train: bool = True) -> None:
         """None: models are built whole on each rank and sharded by :meth:`prepare`."""
@@ -215,14 +229,15 @@ class FSDP2Strategy(RankedStrategy):
             raise ValueError("optimizer: fsdp2 takes a factory of the parameters, not a built optimizer")
         self._check_model(model)
         device = _device()
-        model.to(device)
-        if train or self.options.zero_stage == 3:
+        if train or self.options.zero_stage == 3:  # fully_shard moves each shard to the mesh's device itself
             kw = self._shard_kwargs(train=train)
-            for layer in _decoder_layers(model):
+            for layer in reversed(_decoder_layers(model)):  # innermost first
                 fully_shard(layer, **kw)
             fully_shard(model, **kw)
-        elif self.options.precision == "bf16":
-            model.to(torch.bfloat16)
+        else:
+            model.to(device)
+            if self.options.precision == "bf16":
+                model.to(torch.bfloat16)
         opt, scheduler = None, None
         if train:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -269,8 +284,10 @@ class FSDP2Strategy(RankedStrategy):
                 "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             }
             torch.save(extra, path / _ENGINE_STATE)
-            (directory / "latest").write_text(tag)
         self._save_rng(directory, tag)
+        dist.barrier()  # every rank's files are written: only then is the checkpoint the latest
+        if self.rank == 0:
+            (directory / "latest").write_text(tag)
         dist.barrier()
         return path
 

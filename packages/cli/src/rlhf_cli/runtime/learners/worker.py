@@ -300,14 +300,15 @@ class LearnerWorker:
         )
 
     def export_adapter(self, *, directory: str) -> bool:
-        """Write the LoRA adapter alone (rank 0; ZeRO 0-2 keep whole weights on every rank). False
-        when the model has no adapter."""
+        """Write the LoRA adapter alone: every rank takes part in the gathers (a sharded backend's), rank 0
+        writes. False when the model has no adapter."""
         from rlhf_learner import save_adapter
         from rlhf_learner.strategy import unwrap_hf_model
 
         hf = unwrap_hf_model(self.engine.module)
         if not hasattr(hf, "peft_config"):
             return False
+        state = self.strategy.full_state_dict(hf, rank0_only=True)
         if self.rank == 0:
-            save_adapter(hf, directory)
+            save_adapter(hf, directory, state_dict=state)
         return True

@@ -105,7 +105,7 @@ def check_compatible(
             raise ValueError(
                 f"--ckpt.load_enable: {where} was written with {key}={a.get(key)!r}, this run has "
                 f"--{key} {b.get(key)!r}; resume with the same settings (only steps, checkpointing, logging, "
-                "evaluation and Ray options may change)"
+                "evaluation and Ray options may change, and rank counts where --ds.backend reshards checkpoints)"
             )
 
 
