@@ -15,6 +15,8 @@ printed)."""
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 from rlhf_cli.config import SFTConfig, build_config
@@ -124,3 +126,31 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(sft_flags, tmp_path):
         with pytest.raises(ValueError, match=r"^--ckpt\.load_enable: ") as info:
             sft.run(cfg)
         assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_fsdp2_run_on_two_ranks_killed_at_a_rank_resumes_to_the_uninterrupted_run(
+    rng, address, sft_flags, tmp_path
+):
+    """``--ds.backend fsdp2`` on two ranks, checkpointed every step (torch.distributed.checkpoint): one
+    rank SIGKILLed at a random step ends the run naming it; the resumed run ends with the uninterrupted
+    run's metrics and final weights, bit for bit."""
+    from rlhf_testkit.commands import failed_within, ray_workers
+
+    flags = [*sft_flags, "--train.num_epochs", "1", "--train.batch_size", "18", "--ds.backend", "fsdp2"]
+    flags += ["--model.num_devices_per_node", "2"]
+    whole = sft.run(build_config(SFTConfig, [*flags, "--logger.run_dir", str(tmp_path / "whole")]))
+    every_step = [*flags, "--ckpt.save_steps", "1", "--ckpt.load_enable"]
+    run_dir = tmp_path / "killed"
+    d = Driver("sft", every_step, address, run_dir)
+    d.wait_steps(rng.randint(2, 3))
+    rank = rng.randrange(2)
+    worker = sorted(ray_workers("LearnerWorker", d.started_since_boot), key=lambda p: p.create_time())[rank]
+    worker.kill()
+    last = failed_within(d, time.monotonic(), 60)
+    assert re.match(r"error: the model group's rank [01] died \(", last) and "--ckpt.load_enable" in last, (
+        last
+    )
+    rc, _, err = Driver("sft", every_step, address, run_dir).finish()
+    assert rc == 0, err[-3000:]
+    assert training_metrics(run_dir) == training_metrics(whole.run_dir)
+    same_weights(run_dir / "final_model", whole.final_model)
