@@ -17,10 +17,12 @@ def tracker(run_dir, **kw) -> Tracker:
 
 @pytest.fixture
 def wandb_service():
-    """W&B's service process (``wandb-core``, started by the first ``wandb.init``) stopped afterwards."""
-    yield
+    """W&B's service process (``wandb-core``, started by the first ``wandb.init``) stopped afterwards, and
+    no settings left from an earlier test in this process (read once, at W&B's set-up)."""
     import wandb
 
+    wandb.teardown()
+    yield
     wandb.teardown()
 
 

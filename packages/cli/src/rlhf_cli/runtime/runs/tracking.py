@@ -82,6 +82,7 @@ def check_wandb_login(project: str | None) -> None:
     try:
         wandb.login(verify=False)
     except wandb.errors.Error as err:
+        wandb.teardown()  # its settings (mode, credentials) were read now: a later wandb.init reads anew
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"--logger.wandb_project {project}: {first} (or set WANDB_MODE=offline)") from None
 
