@@ -39,13 +39,13 @@ from rlhf_cli.runtime.host.openmp import openmp_env
 _ON_AMX: dict[str, dict[str, Any]] = {
     "tiny": {
         "trl": {"bf16": "false", "compile": "false", "attn": "sdpa"},
-        "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.attn_implementation eager "
+        "ours": "--learner.precision bf16 --learner.zero_stage 0 --actor.model.attn_implementation eager "
         "--vllm.enforce_eager false --actor.model.compile true --rollout.logprobs false "
         "--rollout.seed_per_sample false",
     },
     "small": {
         "trl": {"bf16": "true", "compile": "true", "attn": "eager"},
-        "ours": "--ds.precision bf16 --ds.zero_stage 0 --actor.model.compile true "
+        "ours": "--learner.precision bf16 --learner.zero_stage 0 --actor.model.compile true "
         "--actor.model.attn_implementation eager --rollout.logprobs false --rollout.seed_per_sample false",
     },
 }
@@ -54,7 +54,7 @@ BEST: dict[str, dict[str, dict[str, Any]]] = {
     "fp32": {  # CPUs whose bf16 is slow (AVX2 only): the same settings, both frameworks in fp32
         model: {
             "trl": {**best["trl"], "bf16": "false"},
-            "ours": best["ours"].replace("--ds.precision bf16", "--ds.precision fp32"),
+            "ours": best["ours"].replace("--learner.precision bf16", "--learner.precision fp32"),
         }
         for model, best in _ON_AMX.items()
     },
@@ -214,7 +214,7 @@ def main() -> None:
     p.add_argument(
         "--ours-flags",
         default="best",
-        help='rlhf ppo flags, e.g. "--ds.precision bf16"; the word best stands for BEST\'s flags',
+        help='rlhf ppo flags, e.g. "--learner.precision bf16"; the word best stands for BEST\'s flags',
     )
     p.add_argument(
         "--cpu",
@@ -261,7 +261,7 @@ def main() -> None:
         trl_args += ["--cpu", a.cpu]
         results[model] = {"trl": in_subprocess("trl", model, a.steps, trl_args)}
         for backend in a.backends.split(","):  # ours, once per training backend
-            flags = [f"--ours-flags={ours} --ds.backend {backend}", "--cpu", a.cpu]
+            flags = [f"--ours-flags={ours} --learner.backend {backend}", "--cpu", a.cpu]
             results[model][f"ours {backend}"] = in_subprocess("ours", model, a.steps, flags)
     print(
         "\n| model | rlhf ppo backend | TRL s/step | rlhf ppo s/step | ratio (TRL / ours) | start-up TRL / ours "

@@ -150,7 +150,7 @@ def main() -> None:
     p.add_argument(
         "--flags",
         default="auto",
-        help="extra rlhf ppo flags for every mode; auto: --ds.precision bf16 where this CPU's bf16 is fast",
+        help="extra rlhf ppo flags for every mode; auto: --learner.precision bf16 where this CPU's bf16 is fast",
     )
     p.add_argument("--modes", default=",".join(list(MODES)[:4]))
     p.add_argument("--png", default="ppo_async.png")
@@ -160,7 +160,7 @@ def main() -> None:
     _summary.add_argument(p)
     a = p.parse_args()
     if a.flags == "auto":
-        a.flags = f"--ds.precision {work.cpu_precision()}"
+        a.flags = f"--learner.precision {work.cpu_precision()}"
     if a.worker:
         result = run_mode(a.model, a.worker, Path(a.root), a.steps, a.flags.split())
         Path(a.out).write_text(json.dumps(result))

@@ -1,7 +1,7 @@
 """Where one `rlhf ppo` step's time goes on this machine, stage by stage, and how busy each core was.
 
 Run: uv run python benchmarks/profile_ppo_step.py [--models tiny,small] [--steps 8] [--write-readme]
-     [-- extra rlhf ppo flags, e.g. --ds.precision bf16]
+     [-- extra rlhf ppo flags, e.g. --learner.precision bf16]
 
 The work is `e2e_grpo_vs_trl.py`'s (`_grpo_work.py`): GRPO with a k3 KL loss, 8 prompts x 4 samples,
 <= 64 new tokens. `rlhf ppo` runs as a user runs it (its own process); this script reads the stage times

@@ -42,11 +42,11 @@ rlhf ppo --ray.address "$head_ip:$port" \
     --actor.pretrain /shared/models/my-sft-model \
     --actor.num_nodes 2 --actor.num_devices_per_node 4 --actor.lr 1e-6 \
     --ref.num_devices_per_node 2 \
-    --vllm.num_engines 2 --vllm.tensor_parallel_size 2 \
+    --rollout.num_engines 2 --rollout.tensor_parallel_size 2 \
     --reward.func /shared/rewards/math_reward.py \
     --data.path /shared/data/prompts.jsonl --data.apply_chat_template \
     --algo.advantage.estimator group_norm --algo.kl.coef 0.001 --algo.kl.use_loss \
     --rollout.batch_size 128 --rollout.n_samples_per_prompt 8 --rollout.max_new_tokens 1024 \
-    --vllm.max_model_len 2048 --train.micro_batch_size 4 --train.num_steps 500 \
-    --ds.zero_stage 3 --ds.precision bf16 \
+    --rollout.max_model_len 2048 --train.micro_batch_size 4 --train.num_steps 500 \
+    --learner.zero_stage 3 --learner.precision bf16 \
     --ckpt.save_steps 50 --logger.run_dir /shared/runs/ppo-math

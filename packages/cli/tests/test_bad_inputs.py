@@ -241,7 +241,7 @@ def test_strict_refuses_the_first_prompt_that_does_not_fit():
     with pytest.raises(ValueError) as err:
         _prompt_set([2, 9, 3], strict=True)
     assert one_line(str(err.value)).startswith(
-        "prompts.jsonl: prompt 1 has 10 tokens; --vllm.max_model_len 8 leaves no room"
+        "prompts.jsonl: prompt 1 has 10 tokens; --rollout.max_model_len 8 leaves no room"
     )
 
 
@@ -283,7 +283,7 @@ def test_an_input_template_formats_text_prompts_and_refuses_a_conversation(tmp_p
 
 
 # === 2. Flags and configuration files ===============================================================
-# (test_config.py has the unknown --actor.lrr, --train.num_steps abc, --ds.zero_stage 5 and a nested
+# (test_config.py has the unknown --actor.lrr, --train.num_steps abc, --learner.zero_stage 5 and a nested
 # unknown YAML key; these are others.)
 
 
@@ -336,7 +336,7 @@ def test_bad_flags_fail_in_one_line_naming_the_flag(args, expected):
         (
             ["ppo", "--micro_batch_size", "2"],
             "did you mean --train.micro_batch_size?",
-        ),  # not the hidden --ds one
+        ),  # not the hidden --learner one
         (
             ["ppo", "--use_wandb", "key"],
             "OpenRLHF's --use_wandb is --logger.wandb_project here (the project; the API key goes in WANDB_API_KEY)",
@@ -450,9 +450,9 @@ def test_bad_model_folders_fail_in_one_line_naming_the_folder(
 
 
 def test_sequences_longer_than_the_models_positions_fail_in_one_line_before_start_up(model_copy):
-    flags = ("--dry-run", "--actor.pretrain", str(model_copy), "--vllm.max_model_len", "100000")
+    flags = ("--dry-run", "--actor.pretrain", str(model_copy), "--rollout.max_model_len", "100000")
     line = cli_error("ppo", *flags)  # vLLM would refuse it in each engine's start-up, with a traceback
-    assert line.startswith("error: --vllm.max_model_len 100000 is longer than the policy's 2048 positions")
+    assert line.startswith("error: --rollout.max_model_len 100000 is longer than the policy's 2048 positions")
 
 
 def test_a_run_folder_that_cannot_be_written_is_named_before_start_up(model_copy, tmp_path):

@@ -56,8 +56,8 @@ def test_dotted_flags_fill_the_tree_with_types():
             ["--rollout.backend", "sglang"],
             "--rollout.backend: expected a registered rollout backend (transformers, vllm), got 'sglang'",
         ),
-        (["--ds.zero_stage", "5"], "--ds.zero_stage: expected 0, 1, 2 or 3, got 5"),
-        (["--ds.lr", "0.1"], "--ds.lr: set it with --actor.lr / --critic.lr"),
+        (["--learner.zero_stage", "5"], "--learner.zero_stage: expected 0, 1, 2 or 3, got 5"),
+        (["--learner.lr", "0.1"], "--learner.lr: set it with --actor.lr / --critic.lr"),
         (["--algo.advantage.estimator", "gae", "--critic.enable", "false"], "gae needs a critic"),
         (["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "1"], ">= 2, got 1"),
         (["--algo.advantage.estimator", "dr_grpo", "--rollout.n_samples_per_prompt", "1"], ">= 2, got 1"),
@@ -85,14 +85,14 @@ def test_dotted_flags_fill_the_tree_with_types():
             "--rollout.seed_per_sample false seeds each engine call",
         ),
         (
-            ["--rollout.seed_per_sample", "false", "--vllm.tensor_parallel_size", "2"],
-            "--vllm.tensor_parallel_size > 1 puts its workers in others",
+            ["--rollout.seed_per_sample", "false", "--rollout.tensor_parallel_size", "2"],
+            "--rollout.tensor_parallel_size > 1 puts its workers in others",
         ),
         (["--train.agent_func_path", "a.py", "--reward.func", "r.py"], "the agent file is the reward source"),
         (["--algo.loss_agg", "seq-mean-token-sum-norm"], "add --train.packing false"),
         (
-            ["--actor.model.compile", "true", "--ds.zero_stage", "3"],
-            "--actor.model.compile with --ds.zero_stage 3",
+            ["--actor.model.compile", "true", "--learner.zero_stage", "3"],
+            "--actor.model.compile with --learner.zero_stage 3",
         ),
         (["--train.freeze_actor_steps", "2"], "--train.freeze_actor_steps trains the critic alone first"),
         (
@@ -147,14 +147,14 @@ def test_help_is_grouped_with_type_default_and_description():
         "--rollout.*",
         "--vllm.*",
         "--algo.*",
-        "--ds.*",
+        "--learner.*",
         "--train.*",
         "--ray.*",
     ):
         assert ns in out
     line = next(line for line in out.splitlines() if "--rollout.n_samples_per_prompt" in line)
     assert "int" in line and "8" in line and "Samples per prompt" in line
-    assert "--ds.zero_stage" in out and "--ds.lr " not in out  # lr is set per group
+    assert "--learner.zero_stage" in out and "--learner.lr " not in out  # lr is set per group
 
 
 def test_dry_run_prints_the_plan_without_starting_anything():
@@ -166,7 +166,7 @@ def test_dry_run_prints_the_plan_without_starting_anything():
         "0",
         "--algo.kl.coef",
         "0.01",
-        "--vllm.num_engines",
+        "--rollout.num_engines",
         "2",
         "--ray.num_cpus",
         "2",
@@ -179,8 +179,8 @@ def test_dry_run_prints_the_plan_without_starting_anything():
 
 
 def test_more_engines_than_the_cluster_can_place_is_an_error():
-    line = error_line(run_cli("--dry-run", "--vllm.num_engines", "9", "--ray.num_cpus", "2"))
-    assert "--vllm.num_engines 9" in line and "the cluster has 2" in line
+    line = error_line(run_cli("--dry-run", "--rollout.num_engines", "9", "--ray.num_cpus", "2"))
+    assert "--rollout.num_engines 9" in line and "the cluster has 2" in line
 
 
 def test_model_folder_errors_name_the_folder(tmp_path):
@@ -336,7 +336,7 @@ def test_a_third_rollout_backend_registered_elsewhere_is_planned_with_no_change_
         line = next(line for line in result.output.splitlines() if line.startswith("engines "))
         assert "1 x fake engine(s)" in line and "fake KV" in line and "0.38 GiB" in line, line
         sharded = error_line(
-            run_cli("--dry-run", "--rollout.backend", "fake", "--vllm.tensor_parallel_size", "2")
+            run_cli("--dry-run", "--rollout.backend", "fake", "--rollout.tensor_parallel_size", "2")
         )
         assert "--rollout.backend fake does not shard a model" in sharded
     finally:
@@ -346,3 +346,53 @@ def test_a_third_rollout_backend_registered_elsewhere_is_planned_with_no_change_
         line
         == "error: --rollout.backend: expected a registered rollout backend (transformers, vllm), got 'fake'"
     )
+
+
+def test_settings_that_moved_are_still_read_under_their_old_names(tmp_path):
+    """--ds.* is --learner.* now, the engine settings every backend has left --vllm.* for --rollout.*, and
+    --train.backend names the training backend: old flags and old YAML keys read as the new ones."""
+    old = build_config(
+        PPOConfig,
+        ["--ds.backend", "fsdp2", "--ds.zero_stage", "3", "--vllm.num_engines", "2", "--vllm.max_model_len=64"],
+    )
+    assert (old.learner.backend, old.learner.zero_stage) == ("fsdp2", 3)
+    assert (old.rollout.num_engines, old.rollout.max_model_len) == (2, 64)
+    assert build_config(PPOConfig, ["--train.backend", "fsdp2"]).learner.backend == "fsdp2"
+    file = tmp_path / "old.yaml"
+    file.write_text("ds:\n  precision: bf16\nvllm:\n  kv_cache_gib: 3\n  enforce_eager: true\n")
+    cfg = build_config(PPOConfig, ["--learner.zero_stage", "1"], config_file=file)
+    assert (cfg.learner.precision, cfg.learner.zero_stage) == ("bf16", 1)
+    assert (cfg.rollout.kv_cache_gib, cfg.vllm.enforce_eager) == (3, True)
+    assert "ds" not in yaml.safe_load(dump_yaml(cfg)) and "num_engines" not in dump_yaml(cfg.vllm)
+    # both names at once: refused, naming both
+    with pytest.raises(ConfigError, match=r"--vllm.num_engines and --rollout.num_engines set the same value"):
+        build_config(PPOConfig, ["--vllm.num_engines", "2", "--rollout.num_engines", "3"])
+    file.write_text("ds:\n  precision: bf16\nlearner:\n  precision: fp32\n")
+    with pytest.raises(ConfigError, match=r"old.yaml: ds.precision and learner.precision set the same value"):
+        build_config(PPOConfig, config_file=file)
+    # an old name the command never had is reported as typed
+    sft = CliRunner().invoke(app, ["sft", "--vllm.num_engines", "2"])
+    assert error_line(sft) == "error: unknown flag --vllm.num_engines"
+
+
+def test_help_shows_the_new_names_only():
+    text = CliRunner().invoke(app, ["ppo", "--help"]).output
+    assert "--learner.backend" in text and "--rollout.num_engines" in text
+    assert "--ds." not in text and "--vllm.num_engines" not in text and "--vllm.enforce_eager" in text
+
+
+def test_a_checkpoint_written_under_the_old_names_resumes(tmp_path):
+    import json
+
+    from rlhf_cli.runtime.runs.checkpoint import check_resumable
+
+    now = build_config(PPOConfig, ["--vllm.num_engines", "2"]).model_dump(mode="json")
+    saved = json.loads(json.dumps(now))
+    saved["ds"] = saved.pop("learner")
+    saved["vllm"]["num_engines"] = saved["rollout"].pop("num_engines")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_resumable(tmp_path, now)
+    saved["ds"]["zero_stage"] = 3  # an old-named setting still has to match
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"learner.zero_stage=3, this run has --learner.zero_stage 2"):
+        check_resumable(tmp_path, now)

@@ -131,12 +131,12 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(sft_flags, tmp_path):
 def test_an_fsdp2_run_on_two_ranks_killed_at_a_rank_resumes_to_the_uninterrupted_run(
     rng, address, sft_flags, tmp_path
 ):
-    """``--ds.backend fsdp2`` on two ranks, checkpointed every step (torch.distributed.checkpoint): one
+    """``--learner.backend fsdp2`` on two ranks, checkpointed every step (torch.distributed.checkpoint): one
     rank SIGKILLed at a random step ends the run naming it; the resumed run ends with the uninterrupted
     run's metrics and final weights, bit for bit."""
     from rlhf_testkit.commands import failed_within, ray_workers
 
-    flags = [*sft_flags, "--train.num_epochs", "1", "--train.batch_size", "18", "--ds.backend", "fsdp2"]
+    flags = [*sft_flags, "--train.num_epochs", "1", "--train.batch_size", "18", "--learner.backend", "fsdp2"]
     flags += ["--model.num_devices_per_node", "2"]
     whole = sft.run(build_config(SFTConfig, [*flags, "--logger.run_dir", str(tmp_path / "whole")]))
     every_step = [*flags, "--ckpt.save_steps", "1", "--ckpt.load_enable"]

@@ -133,7 +133,7 @@ def test_lora_merge_refuses_an_adapter_of_another_base(tmp_path, demo_model_dir)
 
 
 def test_dry_run_and_print_config_of_the_offline_commands(tmp_path):
-    out = cli("dpo", "--dry-run", "--model.num_devices_per_node", "2", "--ds.zero_stage", "3")
+    out = cli("dpo", "--dry-run", "--model.num_devices_per_node", "2", "--learner.zero_stage", "3")
     assert out.exit_code == 0, out.output
     plan = out.output
     assert "model            2" in plan and "ref              1" in plan and "ZeRO-3" in plan

@@ -278,7 +278,7 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
         "2",
         "--ref.num_devices_per_node",
         "2",
-        "--ds.zero_stage",
+        "--learner.zero_stage",
         "3",
         "--export.dtype",
         "bf16",
@@ -304,16 +304,16 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
 
 
 def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model_dir, data, tmp_path):
-    """--ds.sequence_parallel_size 2 (ring attention over gloo: each rank holds half of every sequence)
-    and --ds.tensor_parallel_size 2 (DeepSpeed AutoTP: each rank holds half of each split matrix) on two
+    """--learner.sequence_parallel_size 2 (ring attention over gloo: each rank holds half of every sequence)
+    and --learner.tensor_parallel_size 2 (DeepSpeed AutoTP: each rank holds half of each split matrix) on two
     ranks train exactly what one rank trains on the same batches."""
     flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "2"]
     flags += ["--eval.every", "2", "--eval.max_samples", "6"]  # forwards on the blocks too
     one = run(SFTConfig, "sft", tmp_path / "one", *flags)
     sp = run(SFTConfig, "sft", tmp_path / "sp", *flags, "--model.num_devices_per_node", "2",
-             "--ds.sequence_parallel_size", "2")  # fmt: skip
+             "--learner.sequence_parallel_size", "2")  # fmt: skip
     tp = run(SFTConfig, "sft", tmp_path / "tp", *flags, "--model.num_devices_per_node", "2",
-             "--ds.tensor_parallel_size", "2", "--ds.zero_stage", "1")  # fmt: skip
+             "--learner.tensor_parallel_size", "2", "--learner.zero_stage", "1")  # fmt: skip
     for result in (sp, tp):
         for key in ("train/loss", "eval/loss"):
             got = [r[key] for r in rows(result.run_dir) if key in r]
@@ -326,11 +326,11 @@ def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model
 
 
 def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, data, tmp_path):
-    """Same seed and data, fp32: ``--ds.backend fsdp2`` gives DeepSpeed's losses, SFT on one rank (ZeRO-0
+    """Same seed and data, fp32: ``--learner.backend fsdp2`` gives DeepSpeed's losses, SFT on one rank (ZeRO-0
     there) and DPO on two ranks (policy and reference sharded: ZeRO-3 against full sharding)."""
     sft = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
     ds = rows(run(SFTConfig, "sft", tmp_path / "sft_ds", *sft).run_dir)
-    fsdp2 = run(SFTConfig, "sft", tmp_path / "sft_fsdp2", *sft, "--ds.backend", "fsdp2")
+    fsdp2 = run(SFTConfig, "sft", tmp_path / "sft_fsdp2", *sft, "--learner.backend", "fsdp2")
     got = rows(fsdp2.run_dir)
     assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in ds], rel=1e-5)
     assert got[-1]["train/loss"] < got[0]["train/loss"]
@@ -344,10 +344,10 @@ def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, 
         "--train.max_steps",
         "2",
     ]
-    dpo += ["--eval.every", "0", "--ds.zero_stage", "3"]
+    dpo += ["--eval.every", "0", "--learner.zero_stage", "3"]
     dpo += ["--model.num_devices_per_node", "2", "--ref.num_devices_per_node", "2"]
     ds = rows(run(DPOConfig, "dpo", tmp_path / "dpo_ds", *dpo).run_dir)
-    two = run(DPOConfig, "dpo", tmp_path / "dpo_fsdp2", *dpo, "--ds.backend", "fsdp2")
+    two = run(DPOConfig, "dpo", tmp_path / "dpo_fsdp2", *dpo, "--learner.backend", "fsdp2")
     got = rows(two.run_dir)
     assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in ds], rel=1e-5)
     assert [x.local_params for x in two.layouts["model"]] == [two.layouts["model"][0].local_params] * 2
@@ -361,7 +361,7 @@ def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(
     reduction-order noise."""
     flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
     flags += [
-        "--ds.backend",
+        "--learner.backend",
         "fsdp2",
         "--ckpt.save_steps",
         "1",
@@ -400,7 +400,7 @@ def test_fsdp2_lora_on_two_ranks_exports_its_adapter_and_merged_model(
         SFTConfig, "sft", tmp_path / "lora", *on(demo_model_dir, data / "sft.jsonl"),
         "--train.batch_size", "8", "--train.max_steps", "2", "--train.micro_batch_size", "4",
         "--eval.every", "0", "--lora.rank", "4", "--lora.alpha", "8", "--model.lr", "0.01",
-        "--ds.backend", "fsdp2", "--model.num_devices_per_node", "2",
+        "--learner.backend", "fsdp2", "--model.num_devices_per_node", "2",
     )  # fmt: skip
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

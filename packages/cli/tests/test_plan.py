@@ -93,14 +93,16 @@ def test_each_group_is_sized_from_its_own_folder(tmp_path):
 def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_path):
     actor = write_config(tmp_path / "actor", positions=1024)
     critic = write_config(tmp_path / "critic", positions=256)
-    with pytest.raises(ConfigError, match=r"^--vllm.max_model_len 2000 is longer than the policy's 1024 pos"):
-        make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "2000"), CPU)
-    make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "1024"), CPU)
+    with pytest.raises(
+        ConfigError, match=r"^--rollout.max_model_len 2000 is longer than the policy's 1024 pos"
+    ):
+        make_plan(ppo("--actor.pretrain", str(actor), "--rollout.max_model_len", "2000"), CPU)
+    make_plan(ppo("--actor.pretrain", str(actor), "--rollout.max_model_len", "1024"), CPU)
     gae = ("--algo.advantage.estimator", "gae", "--critic.pretrain", str(critic))
     with pytest.raises(
-        ConfigError, match=r"critic's 256 positions .*; set --vllm.max_model_len 256 or less$"
+        ConfigError, match=r"critic's 256 positions .*; set --rollout.max_model_len 256 or less$"
     ):
-        make_plan(ppo("--actor.pretrain", str(actor), "--vllm.max_model_len", "512", *gae), CPU)
+        make_plan(ppo("--actor.pretrain", str(actor), "--rollout.max_model_len", "512", *gae), CPU)
     sft = config(SFTConfig, "--model.pretrain", str(critic), "--data.max_len", "300")
     with pytest.raises(ConfigError, match=r"^--data.max_len 300 is longer than the model's 256 positions"):
         make_offline_plan(sft, CPU, with_ref=False)
@@ -112,38 +114,38 @@ def test_sequences_longer_than_a_models_positions_are_refused_in_one_line(tmp_pa
 def test_cpu_engines_kv_caches_beyond_the_hosts_memory_are_refused():
     host = dataclasses.replace(CPU, host_memory_gib=8.0)
     with pytest.raises(
-        ConfigError, match=r"^--vllm.kv_cache_gib 10 x 1 engine process\(es\) on a node is more"
+        ConfigError, match=r"^--rollout.kv_cache_gib 10 x 1 engine process\(es\) on a node is more"
     ):
-        make_plan(ppo("--vllm.kv_cache_gib", "10"), host)
-    three = ("--vllm.kv_cache_gib", "4", "--vllm.num_engines", "3")
+        make_plan(ppo("--rollout.kv_cache_gib", "10"), host)
+    three = ("--rollout.kv_cache_gib", "4", "--rollout.num_engines", "3")
     with pytest.raises(ConfigError, match=r"4 x 3 engine process\(es\) on a node is more than its 8.0 GiB"):
         make_plan(ppo(*three), host)
     assert make_plan(ppo(*three), dataclasses.replace(host, nodes=2)).group("engines").parts["KV"] == 4
     make_plan(ppo(*three, "--rollout.backend", "transformers"), host)  # no KV cache reserved
-    make_plan(ppo("--vllm.kv_cache_gib", "10"), CPU)  # the host's memory unknown (a joined cluster)
+    make_plan(ppo("--rollout.kv_cache_gib", "10"), CPU)  # the host's memory unknown (a joined cluster)
 
 
 def test_cpu_engines_sharded_over_workers_need_a_core_per_worker():
     two = dataclasses.replace(CPU, cpus=2)
-    assert make_plan(ppo("--vllm.tensor_parallel_size", "2"), two).group("engines").processes == 2
+    assert make_plan(ppo("--rollout.tensor_parallel_size", "2"), two).group("engines").processes == 2
     with pytest.raises(
-        ConfigError, match=r"^--vllm.tensor_parallel_size 3: .* each engine has 2 of its node's; lower it$"
+        ConfigError, match=r"^--rollout.tensor_parallel_size 3: .* each engine has 2 of its node's; lower it$"
     ):
-        make_plan(ppo("--vllm.tensor_parallel_size", "3"), two)
-    two_engines = ("--vllm.tensor_parallel_size", "2", "--vllm.num_engines", "2")  # each its own share
+        make_plan(ppo("--rollout.tensor_parallel_size", "3"), two)
+    two_engines = ("--rollout.tensor_parallel_size", "2", "--rollout.num_engines", "2")  # each its own share
     with pytest.raises(
-        ConfigError, match=r"each engine has 1 of its node's; lower it \(or --vllm.num_engines\)$"
+        ConfigError, match=r"each engine has 1 of its node's; lower it \(or --rollout.num_engines\)$"
     ):
         make_plan(ppo(*two_engines), two)
     make_plan(ppo(*two_engines), dataclasses.replace(CPU, cpus=4))
-    pinned = ("--train.pin_cores", "true", "--vllm.tensor_parallel_size")
+    pinned = ("--train.pin_cores", "true", "--rollout.tensor_parallel_size")
     with pytest.raises(
         ConfigError, match=r"each engine has 1 of the engines' pinned cores; .*pin_cores false$"
     ):
         make_plan(ppo(*pinned, "2"), two)
-    make_plan(ppo(*pinned, "4", "--vllm.num_engines", "2"), CPU)  # 16 cores: 8 for the engines, 4 each
+    make_plan(ppo(*pinned, "4", "--rollout.num_engines", "2"), CPU)  # 16 cores: 8 for the engines, 4 each
     with pytest.raises(ConfigError, match="each engine has 2 of the engines' pinned cores"):
-        make_plan(ppo(*pinned, "4", "--vllm.num_engines", "4"), CPU)
+        make_plan(ppo(*pinned, "4", "--rollout.num_engines", "4"), CPU)
 
 
 def test_a_reward_model_without_a_trained_score_head_is_refused(tmp_path, demo_model_dir):
@@ -249,14 +251,14 @@ def _actor_activations(*flags: str) -> float:
 
 
 def test_gpu_activations_scale_with_micro_batch_and_length_and_drop_with_checkpointing():
-    base = _actor_activations("--train.micro_batch_size", "4", "--vllm.max_model_len", "256")
+    base = _actor_activations("--train.micro_batch_size", "4", "--rollout.max_model_len", "256")
     assert _actor_activations(
-        "--train.micro_batch_size", "8", "--vllm.max_model_len", "256"
+        "--train.micro_batch_size", "8", "--rollout.max_model_len", "256"
     ) == pytest.approx(2 * base)
     assert _actor_activations(
-        "--train.micro_batch_size", "4", "--vllm.max_model_len", "512"
+        "--train.micro_batch_size", "4", "--rollout.max_model_len", "512"
     ) == pytest.approx(2 * base)
-    gc = _actor_activations("--train.micro_batch_size", "4", "--vllm.max_model_len", "256",
+    gc = _actor_activations("--train.micro_batch_size", "4", "--rollout.max_model_len", "256",
                             "--actor.model.gradient_checkpointing", "true")  # fmt: skip
     assert gc < base / 2
     assert "activations" not in make_plan(ppo(), CPU, sizes=ModelSizes(actor=MID)).group("actor").parts
@@ -282,7 +284,11 @@ def test_learners_that_exceed_the_gpu_are_refused_naming_group_and_flags():
         make_offline_plan(config(SFTConfig), gpu(1.0), with_ref=False, sizes=ModelSizes(actor=MID))
     msg = str(err.value)
     assert "\n" not in msg and "1 x model" in msg and "the device has 1.00 GiB" in msg
-    for flag in ("--ds.zero_stage", "--train.micro_batch_size", "--model.options.gradient_checkpointing"):
+    for flag in (
+        "--learner.zero_stage",
+        "--train.micro_batch_size",
+        "--model.options.gradient_checkpointing",
+    ):
         assert flag in msg
     big = dataclasses.replace(MID, params=7_000_000_000)  # 7B in fp32 with Adam: > 80 GiB on one rank
     with pytest.raises(ConfigError, match=r"1 x actor .* the device has 80\.00 GiB"):
@@ -290,22 +296,24 @@ def test_learners_that_exceed_the_gpu_are_refused_naming_group_and_flags():
 
 
 def test_engine_weights_that_leave_no_kv_cache_are_refused():
-    with pytest.raises(ConfigError, match=r"--vllm.gpu_memory_utilization 0\.1 x 1\.00 GiB") as err:
-        make_plan(ppo("--vllm.gpu_memory_utilization", "0.1"), gpu(1.0, gpus=2), sizes=ModelSizes(actor=MID))
-    assert "engines:" in str(err.value) and "--vllm.max_model_len 512" in str(err.value)
+    with pytest.raises(ConfigError, match=r"--rollout.gpu_memory_utilization 0\.1 x 1\.00 GiB") as err:
+        make_plan(
+            ppo("--rollout.gpu_memory_utilization", "0.1"), gpu(1.0, gpus=2), sizes=ModelSizes(actor=MID)
+        )
+    assert "engines:" in str(err.value) and "--rollout.max_model_len 512" in str(err.value)
 
 
 def test_two_half_gpu_processes_on_one_gpu_add_up():
-    cfg = ppo("--ray.gpus_per_worker", "0.5", "--vllm.gpu_memory_utilization", "0.5")
+    cfg = ppo("--ray.gpus_per_worker", "0.5", "--rollout.gpu_memory_utilization", "0.5")
     actor = make_plan(cfg, gpu(None, gpus=1), sizes=ModelSizes(actor=MID)).group("actor").memory_gib
     device = actor / 0.75  # the actor alone fits, and so does the engine's half; together they do not
     with pytest.raises(ConfigError) as err:
         make_plan(cfg, gpu(device, gpus=1), sizes=ModelSizes(actor=MID))
     msg = str(err.value)
     assert "1 x actor" in msg and "1 x engines" in msg and "on one GPU" in msg
-    assert "--ray.gpus_per_worker" in msg and "--vllm.gpu_memory_utilization" in msg
+    assert "--ray.gpus_per_worker" in msg and "--rollout.gpu_memory_utilization" in msg
     plan = make_plan(
-        ppo("--vllm.gpu_memory_utilization", "0.5"), gpu(device, gpus=2), sizes=ModelSizes(actor=MID)
+        ppo("--rollout.gpu_memory_utilization", "0.5"), gpu(device, gpus=2), sizes=ModelSizes(actor=MID)
     )
     engines = plan.group("engines")  # one GPU each: both fit
     assert engines.memory_gib == pytest.approx(0.5 * device) and engines.parts["KV"] > 0
@@ -357,8 +365,8 @@ def test_qlora_needs_gpus():
     ("flags", "learner", "engine"),
     [
         ((), 16, 16),  # one rank, one engine on a 16-core node: each owns the cores while it runs
-        (("--actor.num_devices_per_node", "2", "--vllm.num_engines", "4"), 8, 4),
-        (("--vllm.num_engines", "2", "--ray.threads_per_rank", "3"), 3, 3),
+        (("--actor.num_devices_per_node", "2", "--rollout.num_engines", "4"), 8, 4),
+        (("--rollout.num_engines", "2", "--ray.threads_per_rank", "3"), 3, 3),
     ],
 )
 def test_cpu_learners_and_engines_get_the_cores_of_their_node(tmp_path, flags, learner, engine):
@@ -417,12 +425,12 @@ def test_colocated_engines_beyond_actor_rank_zeros_gpu_or_beyond_its_memory_are_
     many = cfg.model_copy(
         update={
             "train": cfg.train.model_copy(update={"colocate_all": True}),
-            "vllm": cfg.vllm.model_copy(update={"num_engines": 2}),
+            "rollout": cfg.rollout.model_copy(update={"num_engines": 2}),
         }
     )
     with pytest.raises(ConfigError, match="CUDA IPC reaches only actor rank 0"):
         make_plan(many, gpu(80.0))
-    one = many.model_copy(update={"vllm": cfg.vllm.model_copy(update={"gpu_memory_utilization": 0.9})})
+    one = many.model_copy(update={"rollout": cfg.rollout.model_copy(update={"gpu_memory_utilization": 0.9})})
     with pytest.raises(ConfigError, match=r"actor \+ engines need .* GiB on one GPU of 8.00 GiB"):
         make_plan(one, gpu(8.0))  # each fits alone; together they do not
     assert make_plan(one, CPU).group("engines").share == "actor"  # CPU: shared cores, nothing to refuse
@@ -464,7 +472,7 @@ def test_cpu_engines_run_a_tiny_policy_eagerly_and_a_larger_one_compiled():
 
 
 def test_an_fsdp2_group_is_planned_as_its_backend_shards_it():
-    """fsdp2 at --ds.zero_stage 3 keeps parameters, gradients and optimizer states sharded, as ZeRO-3; at
+    """fsdp2 at --learner.zero_stage 3 keeps parameters, gradients and optimizer states sharded, as ZeRO-3; at
     2 a trained model holds whole parameters (gathered for the backward) and whole gradients (accumulated)
     at its peak, only its optimizer states sharded: more than ZeRO-2, which shards gradients."""
     two = ("--actor.num_devices_per_node", "2", "--ref.num_devices_per_node", "2", "--algo.kl.coef", "0.1")
@@ -472,7 +480,7 @@ def test_an_fsdp2_group_is_planned_as_its_backend_shards_it():
     sizes = ModelSizes(actor=MID, ref=MID)
     plans = {
         (backend, stage): make_plan(
-            ppo(*two, "--ds.zero_stage", stage, "--ds.backend", backend), CPU, sizes=sizes
+            ppo(*two, "--learner.zero_stage", stage, "--learner.backend", backend), CPU, sizes=sizes
         )
         for backend in ("deepspeed", "fsdp2")
         for stage in ("2", "3")

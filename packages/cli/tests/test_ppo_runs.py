@@ -38,7 +38,7 @@ BASE = [
     "0",
     "--logger.progress",
     "false",
-    "--vllm.max_model_len",
+    "--rollout.max_model_len",
     "256",
 ]
 
@@ -238,10 +238,10 @@ def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_e
         two_engines,
         "--actor.pretrain", str(demo_model_dir),  # the built-in task's prompts and reward, no warm-up
         "--algo.advantage.estimator=group_norm",
-        "--ds.zero_stage=3",
+        "--learner.zero_stage=3",
         "--actor.num_devices_per_node=2",
         "--ref.num_devices_per_node=2",
-        "--vllm.num_engines=2",
+        "--rollout.num_engines=2",
         "--algo.kl.coef=0.1",
         "--algo.kl.use_loss",
         "--algo.kl.estimator=k3+",
@@ -261,7 +261,7 @@ def test_grpo_on_fsdp2_reaches_deepspeeds_run_and_syncs_into_vllm(tmp_path, one_
     flags = ["--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator=group_norm",
              "--algo.kl.coef=0.05", "--algo.kl.use_loss"]  # fmt: skip
     ds = check_run(ppo(tmp_path / "ds", one_engine, *flags))
-    fsdp2 = check_run(ppo(tmp_path / "fsdp2", one_engine, *flags, "--ds.backend=fsdp2"))
+    fsdp2 = check_run(ppo(tmp_path / "fsdp2", one_engine, *flags, "--learner.backend=fsdp2"))
     for a, b in zip(ds, fsdp2, strict=True):
         assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
         assert b["actor/loss"] == pytest.approx(a["actor/loss"], rel=1e-5, abs=1e-7)
@@ -407,7 +407,7 @@ def test_transformers_backend_with_dapo_filtering_penalties_and_corrections(tmp_
 ASYNC_FLAGS = [
     *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "12"),
     *("--train.micro_batch_size", "8", "--eval.every", "0", "--logger.progress", "false"),
-    *("--vllm.max_model_len", "256", "--train.warmup_sft_steps", "0", "--ckpt.save_steps", "1"),
+    *("--rollout.max_model_len", "256", "--train.warmup_sft_steps", "0", "--ckpt.save_steps", "1"),
     *("--logger.tensorboard", "false", "--algo.advantage.estimator", "group_norm"),
     *("--algo.kl.coef", "0.01", "--algo.kl.use_loss", "true"),  # a reference, scored beside generation
 ]

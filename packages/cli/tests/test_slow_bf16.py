@@ -27,28 +27,28 @@ def measured(speed: MatmulSpeed, calls: list):
 
 
 def test_bf16_learners_on_a_slow_cpu_are_warned_with_the_figures():
-    cfg = build_config(PPOConfig, ["--ds.precision", "bf16"])
+    cfg = build_config(PPOConfig, ["--learner.precision", "bf16"])
     note = slow_bf16_note(cfg, gpus=0, measure=measured(SLOW, []))
-    assert note is not None and note.startswith("--ds.precision bf16: ")
+    assert note is not None and note.startswith("--learner.precision bf16: ")
     assert "100x slower than fp32 (1.4 against 140 GFLOP/s" in note
-    sft = build_config(SFTConfig, ["--ds.precision", "bf16"])
-    assert slow_bf16_note(sft, gpus=0, measure=measured(SLOW, [])).startswith("--ds.precision bf16: ")
+    sft = build_config(SFTConfig, ["--learner.precision", "bf16"])
+    assert slow_bf16_note(sft, gpus=0, measure=measured(SLOW, [])).startswith("--learner.precision bf16: ")
 
 
 def test_the_engines_own_bf16_is_named():
-    cfg = build_config(PPOConfig, ["--vllm.dtype", "bfloat16"])
-    assert slow_bf16_note(cfg, gpus=0, measure=measured(SLOW, [])).startswith("--vllm.dtype bfloat16: ")
-    both = build_config(PPOConfig, ["--vllm.dtype", "bfloat16", "--ds.precision", "bf16"])
+    cfg = build_config(PPOConfig, ["--rollout.dtype", "bfloat16"])
+    assert slow_bf16_note(cfg, gpus=0, measure=measured(SLOW, [])).startswith("--rollout.dtype bfloat16: ")
+    both = build_config(PPOConfig, ["--rollout.dtype", "bfloat16", "--learner.precision", "bf16"])
     note = slow_bf16_note(both, gpus=0, measure=measured(SLOW, []))
-    assert note.startswith("--ds.precision bf16 and --vllm.dtype bfloat16: ")
+    assert note.startswith("--learner.precision bf16 and --rollout.dtype bfloat16: ")
 
 
 @pytest.mark.parametrize(
     ("flags", "gpus", "speed", "measures"),
     [
         ([], 0, SLOW, 0),  # fp32: nothing to measure
-        (["--ds.precision", "bf16"], 1, SLOW, 0),  # on GPUs
-        (["--ds.precision", "bf16"], 0, FAST, 1),  # bf16 is the fast one here
+        (["--learner.precision", "bf16"], 1, SLOW, 0),  # on GPUs
+        (["--learner.precision", "bf16"], 0, FAST, 1),  # bf16 is the fast one here
     ],
 )
 def test_no_warning(flags, gpus, speed, measures):
@@ -59,17 +59,21 @@ def test_no_warning(flags, gpus, speed, measures):
 
 def test_dry_run_shows_the_warning_in_the_plan(monkeypatch):
     monkeypatch.setattr(precision, "cpu_matmul_speed", measured(SLOW, []))
-    result = CliRunner().invoke(app, ["ppo", "--dry-run", "--ds.precision", "bf16", "--ray.num_cpus", "2"])
+    result = CliRunner().invoke(
+        app, ["ppo", "--dry-run", "--learner.precision", "bf16", "--ray.num_cpus", "2"]
+    )
     assert result.exit_code == 0, result.output
-    assert "\n--ds.precision bf16: this CPU multiplies bf16 matrices 100x slower than fp32" in result.output
+    assert (
+        "\n--learner.precision bf16: this CPU multiplies bf16 matrices 100x slower than fp32" in result.output
+    )
 
 
-@pytest.mark.parametrize(("flags", "warnings"), [(["--ds.precision", "bf16"], 1), ([], 0)])
+@pytest.mark.parametrize(("flags", "warnings"), [(["--learner.precision", "bf16"], 1), ([], 0)])
 def test_a_run_warns_once_before_it_starts(monkeypatch, capsys, tmp_path, flags, warnings):
     calls: list = []
     monkeypatch.setattr(precision, "cpu_matmul_speed", measured(SLOW, calls))
     cfg = build_config(PPOConfig, [*flags, "--logger.run_dir", str(tmp_path / "run"), "--ray.num_cpus", "2"])
     prepare_run(cfg, pretrain=None, plan_for=functools.partial(recipe._plan_for, cfg))
     err = capsys.readouterr().err
-    assert err.count("warning: --ds.precision bf16: this CPU multiplies bf16 matrices 100x") == warnings
+    assert err.count("warning: --learner.precision bf16: this CPU multiplies bf16 matrices 100x") == warnings
     assert len(calls) == warnings

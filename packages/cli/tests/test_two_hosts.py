@@ -107,7 +107,7 @@ def ppo_flags(demo_model_dir) -> list[str]:
     return [
         *("--actor.pretrain", str(demo_model_dir), "--rollout.backend", "transformers"),
         *("--algo.advantage.estimator", "reinforce", "--algo.kl.coef", "0"),
-        *("--actor.num_nodes", "2", "--ds.zero_stage", "3"),
+        *("--actor.num_nodes", "2", "--learner.zero_stage", "3"),
         *("--train.num_steps", str(PPO_STEPS), "--rollout.batch_size", "4"),
         *("--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "6"),
         *("--train.micro_batch_size", "4", "--eval.every", "0", "--ckpt.save_steps", "2", *ACROSS, *QUIET),

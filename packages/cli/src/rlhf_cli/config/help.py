@@ -9,7 +9,7 @@ import typing
 from typing import Any
 
 from rlhf_cli.config.loading import iter_fields
-from rlhf_cli.config.run import DS_FIELDS_SET_ELSEWHERE
+from rlhf_cli.config.run import LEARNER_FIELDS_SET_ELSEWHERE
 
 __all__ = ["render_help"]
 
@@ -46,7 +46,7 @@ def render_help(cls: type, *, command: str, description: str, options: list[tupl
     sections: dict[str, Table] = {}
     for f in iter_fields(cls):
         ns = f.path.split(".")[0]
-        if ns == "ds" and f.path.split(".")[1] in DS_FIELDS_SET_ELSEWHERE:
+        if ns == "learner" and f.path.split(".")[1] in LEARNER_FIELDS_SET_ELSEWHERE:
             continue
         if ns not in sections:
             sections[ns] = Table(title=f"--{ns}.*", title_justify="left", expand=False)

@@ -18,11 +18,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_cli.config.openrlhf_names import openrlhf_hint
+from rlhf_cli.config.renamed import current_name
 
 __all__ = [
     "ConfigError",
     "FieldInfo",
     "build_config",
+    "current_tree",
     "dump_yaml",
     "flat_items",
     "iter_fields",
@@ -181,10 +183,14 @@ def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
 
 def _unknown_flag(name: str, leaves: Collection[str]) -> ConfigError:
     """The error for ``--name``: an OpenRLHF flag's name here, else the closest flag ``--help`` shows (not
-    the ``--ds`` fields another flag sets)."""
-    from rlhf_cli.config.run import DS_FIELDS_SET_ELSEWHERE
+    the ``--learner`` fields another flag sets)."""
+    from rlhf_cli.config.run import LEARNER_FIELDS_SET_ELSEWHERE
 
-    shown = [p for p in leaves if not (p.startswith("ds.") and p.split(".")[1] in DS_FIELDS_SET_ELSEWHERE)]
+    shown = [
+        p
+        for p in leaves
+        if not (p.startswith("learner.") and p.split(".")[1] in LEARNER_FIELDS_SET_ELSEWHERE)
+    ]
     hint = openrlhf_hint(name, shown) or _suggest(name, shown, dash="--")
     return ConfigError(f"unknown flag --{name}{hint}")
 
@@ -220,13 +226,17 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
     leaves = {f.path: f for f in iter_fields(cls)}
     sections = {p.rsplit(".", i)[0] for p in leaves for i in range(1, p.count(".") + 1)}
     tree: dict = {}
+    spelled: dict[str, str] = {}  # current name -> as given (an old name and its new one clash)
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.key value")
         name, eq, raw = arg[2:].partition("=")
-        name = name.replace("-", "_")
+        given = name.replace("-", "_")
+        name = current_name(given, leaves.keys() | sections)
+        if spelled.setdefault(name, given) != given:
+            raise ConfigError(f"--{spelled[name]} and --{given} set the same value (--{name}); give one")
         info = leaves.get(name)
         if info is None:
             # a section given a whole YAML mapping (e.g. --actor.lora '{rank: 8}') or a None-able section
@@ -310,10 +320,25 @@ def _load_yaml(path: Path, cls: type[BaseModel]) -> dict:
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     valid = [f.path for f in iter_fields(cls)]
     sections = {p.rsplit(".", i)[0] for p in valid for i in range(1, p.count(".") + 1)}
+    data = current_tree(data, set(valid) | sections, where=str(path))
     for key, _ in flat_items(data):
         if key not in valid and key not in sections:
             raise ConfigError(f"{path}: unknown key {key}{_suggest(key, valid, dash='')}")
     return data
+
+
+def current_tree(tree: dict, known: Collection[str] = (), *, where: str = "") -> dict:
+    """``tree`` with each setting under its current name (``renamed.RENAMED``): a YAML file or a
+    checkpoint's ``config.json`` written before a setting moved reads as if written after. A setting
+    given under both names is refused, naming both."""
+    out: dict = {}
+    spelled: dict[str, str] = {}
+    for key, value in flat_items(tree):
+        name = current_name(key, known)
+        if spelled.setdefault(name, key) != key:
+            raise ConfigError(f"{where}: {spelled[name]} and {key} set the same value ({name}); keep one")
+        _set(out, name, value, append=False)
+    return out
 
 
 def build_config(cls: type[T], argv: Sequence[str] = (), *, config_file: Path | None = None) -> T:

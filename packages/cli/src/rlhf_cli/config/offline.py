@@ -1,6 +1,6 @@
 """Configuration trees of the offline commands: ``rlhf sft``, ``rm``, ``dpo``, ``kto`` (training on a
 fixed data set, one trained group plus an optional frozen reference), ``serve-rm`` and ``lora-merge``.
-They share ``--ds``, ``--ckpt``, ``--logger`` and ``--ray`` with ``rlhf ppo``."""
+They share ``--learner``, ``--ckpt``, ``--logger`` and ``--ray`` with ``rlhf ppo``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlhf_cli.config.run import (
     ExportConfig,
     LoggerConfig,
     RayConfig,
-    check_ds_fields,
+    check_learner_fields,
     check_split,
     data_parallel_size,
 )
@@ -149,8 +149,9 @@ class OfflineConfig(Section):
     """What every offline training command shares."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    ds: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
-    """DeepSpeed options of the trained group (and the frozen reference)."""
+    learner: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
+    """How the trained group (and the frozen reference) run: the training backend (deepspeed or fsdp2),
+    sharding, precision, offload and the optimizer (old name: --ds)."""
     train: OfflineTrain = Field(default_factory=OfflineTrain)
     eval: OfflineEval = Field(default_factory=OfflineEval)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
@@ -172,42 +173,44 @@ class OfflineConfig(Section):
     def grad_accum_steps(self) -> int:
         return (
             self.train.batch_size
-            // data_parallel_size(self.model.world_size, self.ds)
+            // data_parallel_size(self.model.world_size, self.learner)
             // self.train.micro_batch_size
         )
 
     @model_validator(mode="after")
     def _shared_checks(self) -> OfflineConfig:
-        check_ds_fields(self.ds, {"lr": "--model.lr"})
+        check_learner_fields(self.learner, {"lr": "--model.lr"})
         model = "model (--model.num_nodes x --model.num_devices_per_node)"
         check_split(
             self.train.batch_size,
             "--train.batch_size",
             self.model.world_size,
             model,
-            self.ds,
+            self.learner,
             self.train.micro_batch_size,
         )
         ref = getattr(self, "ref", None)
         if ref is not None and not ref.precompute:
             check_split(
-                self.train.batch_size, "--train.batch_size", ref.world_size, "reference", self.ds, None
+                self.train.batch_size, "--train.batch_size", ref.world_size, "reference", self.learner, None
             )
-        if self.command == "rm" and (self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1):
+        if self.command == "rm" and (
+            self.learner.sequence_parallel_size > 1 or self.learner.tensor_parallel_size > 1
+        ):
             raise ValueError(
-                "--ds.sequence_parallel_size / --ds.tensor_parallel_size: rlhf rm's reward model runs neither "
+                "--learner.sequence_parallel_size / --learner.tensor_parallel_size: rlhf rm's reward model runs neither "
                 "(sequence and tensor parallelism are for policies and references)"
             )
-        if self.model.options.compile and self.ds.zero_stage == 3:
+        if self.model.options.compile and self.learner.zero_stage == 3:
             raise ValueError(
-                "--model.options.compile with --ds.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
+                "--model.options.compile with --learner.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
             )
         lora = getattr(self, "lora", None)
-        if lora is not None and self.ds.zero_stage == 3:
-            raise ValueError("--lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
-        if lora is not None and self.ds.tensor_parallel_size > 1:
+        if lora is not None and self.learner.zero_stage == 3:
+            raise ValueError("--lora with --learner.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        if lora is not None and self.learner.tensor_parallel_size > 1:
             raise ValueError(
-                "--lora with --ds.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
+                "--lora with --learner.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
             )
         return self
 

@@ -21,7 +21,7 @@ from rlhf_cli.config.run import (
     LoggerConfig,
     RayConfig,
     TrainConfig,
-    check_ds_fields,
+    check_learner_fields,
     check_split,
     data_parallel_size,
 )
@@ -42,8 +42,9 @@ class PPOConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     weightsync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
-    ds: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
-    """DeepSpeed options shared by every learner group."""
+    learner: StrategyOptions = Field(default_factory=lambda: StrategyOptions(zero_stage=2, grad_clip=1.0))
+    """How every learner group trains: the training backend (deepspeed or fsdp2), sharding, precision,
+    offload and the optimizer (old name: --ds)."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -147,7 +148,7 @@ class PPOConfig(Section):
     def grad_accum_steps(self) -> int:
         return (
             self.optimizer_batch_size
-            // data_parallel_size(self.actor.world_size, self.ds)
+            // data_parallel_size(self.actor.world_size, self.learner)
             // self.train.micro_batch_size
         )
 
@@ -191,10 +192,10 @@ class PPOConfig(Section):
                     "--rollout.seed_per_sample false seeds each engine call, but --train.async.max_staleness "
                     "runs calls that overlap: keep it true"
                 )
-            if self.vllm.tensor_parallel_size > 1:
+            if self.rollout.tensor_parallel_size > 1:
                 raise ValueError(
                     "--rollout.seed_per_sample false seeds an engine's sampler in its own process, but "
-                    "--vllm.tensor_parallel_size > 1 puts its workers in others: keep it true"
+                    "--rollout.tensor_parallel_size > 1 puts its workers in others: keep it true"
                 )
         if self.algo.is_correction.low >= self.algo.is_correction.high:
             raise ValueError("--algo.is_correction.low must be below --algo.is_correction.high")
@@ -226,11 +227,11 @@ class PPOConfig(Section):
     def _batches(self) -> PPOConfig:
         """Each group's ranks get equal shards that the micro-batch size divides (the built-in demo's
         default: one micro-batch per rank, see ``TrainConfig.micro_batch_size``)."""
-        check_ds_fields(self.ds, {"lr": "--actor.lr / --critic.lr"})
+        check_learner_fields(self.learner, {"lr": "--actor.lr / --critic.lr"})
         demo = self.builtin_task and self.actor.pretrain is None
         if demo and "micro_batch_size" not in self.train.model_fields_set:
             worlds = [self.actor.world_size] + ([self.critic.world_size] if self.uses_critic else [])
-            shards = [self.optimizer_batch_size // data_parallel_size(w, self.ds) for w in worlds]
+            shards = [self.optimizer_batch_size // data_parallel_size(w, self.learner) for w in worlds]
             train = self.train.model_copy()  # a TrainConfig passed in stays as it was
             train.micro_batch_size = max(1, math.gcd(*shards))
             self.train = train
@@ -242,11 +243,11 @@ class PPOConfig(Section):
             )
         what = "--train.batch_size" if b else "--rollout.batch_size x --rollout.n_samples_per_prompt"
         n, m = self.optimizer_batch_size, self.train.micro_batch_size
-        check_split(n, what, self.actor.world_size, "actor", self.ds, m)
+        check_split(n, what, self.actor.world_size, "actor", self.learner, m)
         if self.uses_critic:
-            check_split(n, what, self.critic.world_size, "critic", self.ds, m)
+            check_split(n, what, self.critic.world_size, "critic", self.learner, m)
         if self.uses_reference:
-            check_split(n, what, self.ref.world_size, "reference", self.ds, None)
+            check_split(n, what, self.ref.world_size, "reference", self.learner, None)
         for name, group in (("actor", self.actor), ("critic", self.critic)):
             try:
                 group.lr_schedule(group.lr, self.total_optimizer_steps(name))
@@ -285,26 +286,26 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _parallelism(self) -> PPOConfig:
         """Parallelism options the groups and engines can run."""
-        split = self.ds.sequence_parallel_size > 1 or self.ds.tensor_parallel_size > 1
+        split = self.learner.sequence_parallel_size > 1 or self.learner.tensor_parallel_size > 1
         if split and (self.uses_critic or self.reward.source == "model"):
             raise ValueError(
-                "--ds.sequence_parallel_size / --ds.tensor_parallel_size apply to the actor and reference; "
+                "--learner.sequence_parallel_size / --learner.tensor_parallel_size apply to the actor and reference; "
                 "the critic and the reward model run neither: use an estimator without a critic and a reward "
                 "function or endpoint"
             )
-        if self.actor.lora is not None and self.ds.tensor_parallel_size > 1:
+        if self.actor.lora is not None and self.learner.tensor_parallel_size > 1:
             raise ValueError(
-                "--actor.lora with --ds.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
+                "--actor.lora with --learner.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
             )
-        if self.actor.lora is not None and self.ds.zero_stage == 3:
-            raise ValueError("--actor.lora with --ds.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
+        if self.actor.lora is not None and self.learner.zero_stage == 3:
+            raise ValueError("--actor.lora with --learner.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
         for name, group in (("actor", self.actor), ("critic", self.critic)):
-            if group.model.compile and self.ds.zero_stage == 3:
+            if group.model.compile and self.learner.zero_stage == 3:
                 raise ValueError(
-                    f"--{name}.model.compile with --ds.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
+                    f"--{name}.model.compile with --learner.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
                 )
-        if self.vllm.tensor_parallel_size > 1 and not self.rollout.capabilities.tensor_parallel:
+        if self.rollout.tensor_parallel_size > 1 and not self.rollout.capabilities.tensor_parallel:
             raise ValueError(
-                f"--vllm.tensor_parallel_size > 1: --rollout.backend {self.rollout.backend} does not shard a model"
+                f"--rollout.tensor_parallel_size > 1: --rollout.backend {self.rollout.backend} does not shard a model"
             )
         return self

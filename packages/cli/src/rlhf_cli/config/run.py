@@ -13,7 +13,7 @@ from rlhf_cli.config._base import Section
 from rlhf_cli.runtime.learners.specs import ExportOptions
 
 __all__ = [
-    "DS_FIELDS_SET_ELSEWHERE",
+    "LEARNER_FIELDS_SET_ELSEWHERE",
     "AsyncConfig",
     "CkptConfig",
     "DataConfig",
@@ -22,46 +22,46 @@ __all__ = [
     "LoggerConfig",
     "RayConfig",
     "TrainConfig",
-    "check_ds_fields",
+    "check_learner_fields",
     "check_split",
     "data_parallel_size",
 ]
 
-DS_FIELDS_SET_ELSEWHERE = {
+LEARNER_FIELDS_SET_ELSEWHERE = {
     "lr": "the group's --*.lr flag",
     "micro_batch_size": "--train.micro_batch_size",
     "grad_accum_steps": "--train.micro_batch_size (derived from the batch)",
     "seed": "--train.seed",
     "lr_schedule": "the group's --*.lr_scheduler, --*.lr_warmup_ratio / _steps and --*.min_lr flags",
 }
-"""StrategyOptions fields that each group takes from another flag; setting them under --ds is an error."""
+"""StrategyOptions fields that each group takes from another flag; setting them under --learner is an error."""
 
 
-def check_ds_fields(ds: StrategyOptions, overrides: dict[str, str]) -> None:
-    """Raise when ``--ds`` sets a field another flag owns (``overrides`` names the command's own flags)."""
+def check_learner_fields(strategy: StrategyOptions, overrides: dict[str, str]) -> None:
+    """Raise when ``--learner`` sets a field another flag owns (``overrides`` names the command's own flags)."""
     default = StrategyOptions()
-    where = DS_FIELDS_SET_ELSEWHERE | overrides
+    where = LEARNER_FIELDS_SET_ELSEWHERE | overrides
     for f in fields(StrategyOptions):
-        if f.name in where and getattr(ds, f.name) != getattr(default, f.name):
-            raise ValueError(f"--ds.{f.name}: set it with {where[f.name]}")
+        if f.name in where and getattr(strategy, f.name) != getattr(default, f.name):
+            raise ValueError(f"--learner.{f.name}: set it with {where[f.name]}")
 
 
-def data_parallel_size(world: int, ds: StrategyOptions) -> int:
-    """Distinct data shards of a group of ``world`` ranks: blocks of ``--ds.sequence_parallel_size x
-    --ds.tensor_parallel_size`` consecutive ranks share one (they split each sequence or each matrix)."""
-    return world // (ds.sequence_parallel_size * ds.tensor_parallel_size)
+def data_parallel_size(world: int, strategy: StrategyOptions) -> int:
+    """Distinct data shards of a group of ``world`` ranks: blocks of ``--learner.sequence_parallel_size x
+    --learner.tensor_parallel_size`` consecutive ranks share one (they split each sequence or each matrix)."""
+    return world // (strategy.sequence_parallel_size * strategy.tensor_parallel_size)
 
 
 def check_split(
-    items: int, what: str, world: int, group: str, ds: StrategyOptions, micro_batch_size: int
+    items: int, what: str, world: int, group: str, strategy: StrategyOptions, micro_batch_size: int
 ) -> None:
     """``items`` per step split evenly over ``group``'s data-parallel ranks, in micro-batches: or a
     one-line error naming the flags."""
-    block = ds.sequence_parallel_size * ds.tensor_parallel_size
+    block = strategy.sequence_parallel_size * strategy.tensor_parallel_size
     if world % block:
         raise ValueError(
-            f"the {group}'s {world} ranks cannot form blocks of --ds.sequence_parallel_size x "
-            f"--ds.tensor_parallel_size = {block}"
+            f"the {group}'s {world} ranks cannot form blocks of --learner.sequence_parallel_size x "
+            f"--learner.tensor_parallel_size = {block}"
         )
     if micro_batch_size is None:
         return
@@ -183,7 +183,7 @@ class DataConfig(Section):
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many prompts."""
     strict: bool = False
-    """Refuse a prompt that does not fit --vllm.max_model_len (default: skip it, count it in the log and the
+    """Refuse a prompt that does not fit --rollout.max_model_len (default: skip it, count it in the log and the
     summary)."""
 
     @model_validator(mode="after")
@@ -264,6 +264,6 @@ class RayConfig(Section):
     processes on the node (the stages of a step run one at a time, so the running group owns the cores)."""
     gpus_per_worker: float = Field(1.0, gt=0, le=1)
     """GPUs each learner rank and each engine worker claims; below 1 they share GPUs (weights then go over
-    CUDA IPC; lower --vllm.gpu_memory_utilization to fit)."""
+    CUDA IPC; lower --rollout.gpu_memory_utilization to fit)."""
     timeout_s: float = Field(900.0, gt=0)
     """Timeout of every call into a Ray actor."""

@@ -160,7 +160,7 @@ class PromptSet:
                 kept.append(i)
             elif strict:
                 raise ValueError(
-                    f"{source}: prompt {i} has {len(p)} tokens; --vllm.max_model_len {max_prompt_len} leaves "
+                    f"{source}: prompt {i} has {len(p)} tokens; --rollout.max_model_len {max_prompt_len} leaves "
                     "no room (without --data.strict such prompts are skipped and counted)"
                 )
             else:
@@ -168,7 +168,7 @@ class PromptSet:
         if not kept:
             raise ValueError(
                 f"{source}: all {len(ids)} prompts have {max_prompt_len} tokens or more "
-                f"(--vllm.max_model_len {max_prompt_len} leaves no room to generate)"
+                f"(--rollout.max_model_len {max_prompt_len} leaves no room to generate)"
             )
         return cls(
             token_ids=[ids[i] for i in kept],

@@ -102,7 +102,7 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Grou
 
     def strategy(world: int, *, frozen: bool) -> Any:
         return group_strategy(
-            cfg.ds,
+            cfg.learner,
             lr=cfg.learning_rate,
             micro_batch_size=cfg.train.micro_batch_size,
             grad_accum_steps=cfg.grad_accum_steps,
@@ -200,7 +200,7 @@ def run_command(
 
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg, with_ref)
-    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, backend=cfg.ds.backend)
+    resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, backend=cfg.learner.backend)
     setup = prepare_run(cfg, pretrain=cfg.model.pretrain, plan_for=plan_for, resumable=resumable)
     _check_ref_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))

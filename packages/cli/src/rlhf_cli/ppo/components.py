@@ -59,12 +59,13 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
     """One spec per group the plan places (see ``group_strategy`` for the trained groups' stage)."""
 
     def strategy(lr: float, world: int, *, frozen: bool = False, trained: Any = None, role: str = "") -> Any:
-        per_rank = cfg.optimizer_batch_size // data_parallel_size(world, cfg.ds) // cfg.train.micro_batch_size
+        mb = cfg.train.micro_batch_size
+        per_rank = cfg.optimizer_batch_size // data_parallel_size(world, cfg.learner) // mb
         total = cfg.total_optimizer_steps("actor" if trained is cfg.actor else "critic")
         return group_strategy(
-            cfg.ds,
+            cfg.learner,
             lr=lr,
-            micro_batch_size=cfg.train.micro_batch_size,
+            micro_batch_size=mb,
             grad_accum_steps=per_rank,
             seed=cfg.train.seed,
             world_size=world,
@@ -86,8 +87,7 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
         )
     }
     if plan.group("critic"):
-        c = cfg.critic
-        w = c.world_size
+        c, w = cfg.critic, cfg.critic.world_size
         specs["critic"] = GroupSpec(
             role="critic",
             model_path=c.pretrain or path,
@@ -119,27 +119,27 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
 
 def engine_settings(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> EngineSettings:
     """The rollout engines' backend-neutral settings (each backend turns them into its arguments)."""
-    dtype = cfg.vllm.dtype
+    dtype = cfg.rollout.dtype
     if dtype == "auto":
-        dtype = "auto" if gpu else {"bf16": "bfloat16", "fp32": "float32"}[cfg.ds.precision]
+        dtype = "auto" if gpu else {"bf16": "bfloat16", "fp32": "float32"}[cfg.learner.precision]
     return EngineSettings(
         model=path,
-        max_model_len=cfg.vllm.max_model_len,
+        max_model_len=cfg.rollout.max_model_len,
         dtype=dtype,
         gpu=gpu,
         seed=cfg.train.seed,
         prefix_caching=cfg.vllm.enable_prefix_caching,
         eager=eager_engines(cfg.vllm.enforce_eager, params=params, gpu=gpu),
-        gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         sleep=gpu and cfg.colocates_engines,
-        kv_cache_gib=cfg.vllm.kv_cache_gib,
+        kv_cache_gib=cfg.rollout.kv_cache_gib,
     )
 
 
 def _launch_engines(
     cfg: PPOConfig, plan: Plan, pgs: PlacementGroups, path: str, stop_at_exit: Stops, asynchronous: bool
 ) -> tuple[list[Any], list[Any]]:
-    """``--vllm.num_engines`` engines on the engines' placement group, each one's stop registered as it
+    """``--rollout.num_engines`` engines on the engines' placement group, each one's stop registered as it
     is created; returned while they start, with what to wait on (``engines_started``)."""
 
     eg = plan.group("engines")
@@ -151,17 +151,17 @@ def _launch_engines(
     settings = engine_settings(cfg, path, gpu=plan.device == "cuda", params=eg.params)
     env |= backend.process_env(settings)
     handles = create_engines(
-        num_engines=cfg.vllm.num_engines,
+        num_engines=cfg.rollout.num_engines,
         backend=cfg.rollout.backend,
         engine_kwargs=backend.engine_kwargs(settings),
-        tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         placement_group=pgs["engines"],
         bundle_indices=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],
         num_cpus_per_engine=eg.bundle.get("CPU", 0),
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
         asynchronous=asynchronous and backend.capabilities.asynchronous,
-        cpu_cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.vllm.num_engines, plan.resources.nodes),
+        cpu_cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.rollout.num_engines, plan.resources.nodes),
         wait=False,
     )
     started = engines_started(handles)
@@ -174,7 +174,7 @@ def _launch_engines(
 def _sharded_cores(eg: GroupPlan, cfg: PPOConfig, plan: Plan) -> tuple[int, ...]:
     """The cores the engines split among them: the plan's pinned ones; unpinned, every core of the node
     for CPU engines sharded over workers (each engine's workers then bind cores no other engine's do)."""
-    if eg.cores or eg.threads == 0 or cfg.vllm.tensor_parallel_size == 1:
+    if eg.cores or eg.threads == 0 or cfg.rollout.tensor_parallel_size == 1:
         return eg.cores
     return tuple(range(int(plan.resources.cpus // max(1, plan.resources.nodes))))
 
@@ -232,7 +232,7 @@ def start_components(
     if launched is not None:
         handles, started = launched
         get_all(started, timeout_s=cfg.ray.timeout_s)  # an engine's death: named
-        tp = cfg.vllm.tensor_parallel_size
+        tp = cfg.rollout.tensor_parallel_size
         engines = EngineClient(handles, tensor_parallel_size=tp, timeout_s=cfg.ray.timeout_s)
     for g in groups.values():
         g.wait_setup()

@@ -13,8 +13,8 @@ __all__ = ["load_prompts", "skipped_notes"]
 
 def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
     """Training prompts and evaluation prompts (None when there are none to evaluate on). Prompts that do
-    not fit ``--vllm.max_model_len`` are skipped, counted and said (``--data.strict``: refused)."""
-    limit = cfg.vllm.max_model_len
+    not fit ``--rollout.max_model_len`` are skipped, counted and said (``--data.strict``: refused)."""
+    limit = cfg.rollout.max_model_len
     if cfg.data.path is None:
         train = task.records(seed=cfg.train.seed)
         evals = task.records(seed=cfg.train.seed + 1) if cfg.eval.path is None else None
@@ -68,13 +68,13 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
 
 def skipped_notes(cfg: PPOConfig, train: PromptSet, evals: PromptSet | None) -> list[str]:
     """A line per prompt set that left prompts out for not fitting the context."""
-    limit = cfg.vllm.max_model_len
+    limit = cfg.rollout.max_model_len
     lines = []
     for name, ps in (("training", train), ("evaluation", evals)):
         if ps is not None and ps.skipped:
             first = ", ".join(map(str, ps.skipped[:5])) + (", ..." if len(ps.skipped) > 5 else "")
             lines.append(
-                f"skipped {len(ps.skipped)} {name} prompt(s) of {limit}+ tokens (--vllm.max_model_len "
+                f"skipped {len(ps.skipped)} {name} prompt(s) of {limit}+ tokens (--rollout.max_model_len "
                 f"{limit}; --data.strict refuses them): positions {first}"
             )
     return lines

@@ -113,11 +113,12 @@ def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_ste
 
 
 def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
-    """Train. ``engines``: running rollout engines to use instead of starting ``--vllm.num_engines``
+    """Train. ``engines``: running rollout engines to use instead of starting ``--rollout.num_engines``
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
-    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), backend=cfg.ds.backend)
+    backend = cfg.learner.backend
+    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), backend=backend)
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)
@@ -147,9 +148,8 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
             exp = make_experience(cfg, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu)
             late = exp.pending_reference  # the reference forward, running: the actor's ranks fetch it
             upd = update(cfg, exp.samples, **c.trained(), kl_coef=kl_ctl.value, step=step, reference=late)
-            lag = staleness_metrics(
-                batch, policy_version=rollouts.policy_version(step), eta=rollouts.max_staleness
-            )
+            version = rollouts.policy_version(step)
+            lag = staleness_metrics(batch, policy_version=version, eta=rollouts.max_staleness)
             synced = rollouts.sync()  # actor -> engines, as the next version
             if cfg.algo.kl.enabled and upd.actor is not None:  # a frozen actor's KL says nothing new
                 kl_ctl.update(

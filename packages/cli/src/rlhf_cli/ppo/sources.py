@@ -144,7 +144,7 @@ def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
             default_max_tokens=cfg.rollout.max_new_tokens,
         )
     if agent is not None and callable(getattr(agent, "make_env", None)):
-        limit = cfg.vllm.max_model_len
+        limit = cfg.rollout.max_model_len
 
         def multi(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
             return MultiTurnExecutor(

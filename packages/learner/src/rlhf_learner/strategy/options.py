@@ -23,11 +23,13 @@ class StrategyOptions:
     frees gathered layers after their forward, 0-2 keep them for the backward)."""
     zero_stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters).
-    Stages 1 and 2 shard nothing on a single rank (``for_ranks`` runs them as 0 there)."""
+    Stages 1 and 2 shard nothing on a single rank (``for_ranks`` runs them as 0 there). On fsdp2, 3 is full
+    sharding (layers resharded after their forward) and 0-2 shard but keep gathered layers for the backward."""
     offload_optimizer: bool = False
     """Keep optimizer states (and the optimizer step) on the CPU (ZeRO-Offload; needs zero_stage >= 1)."""
     offload_params: bool = False
-    """Keep parameters on the CPU between uses (ZeRO-Infinity; needs zero_stage == 3)."""
+    """Keep parameters on the CPU between uses (ZeRO-Infinity; fsdp2's ``CPUOffloadPolicy``; needs
+    zero_stage == 3)."""
     precision: Precision = "fp32"
     """Training precision: ``fp32`` or ``bf16`` (bf16 weights and activations, fp32 master weights)."""
     micro_batch_size: int = 1

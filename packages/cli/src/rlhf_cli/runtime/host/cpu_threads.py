@@ -64,7 +64,7 @@ def pinned(
 def check_engine_workers(
     groups: list[GroupPlan], resources: ClusterResources, *, tp: int, engines: int
 ) -> None:
-    """CPU engines sharded over ``tp`` workers (``--vllm.tensor_parallel_size``) bind each worker to cores
+    """CPU engines sharded over ``tp`` workers (``--rollout.tensor_parallel_size``) bind each worker to cores
     of its own, each engine to its share of its node's cores (when pinned: of the engines' half):
     ConfigError when an engine has fewer cores than workers."""
     g = next((g for g in groups if g.name == "engines"), None)
@@ -75,10 +75,10 @@ def check_engine_workers(
     if cores < tp:
         where = "of the engines' pinned cores" if g.cores else "of its node's"
         has = f"each engine has {cores} {where}"
-        more = " (or --vllm.num_engines)" if per_node > 1 else ""
+        more = " (or --rollout.num_engines)" if per_node > 1 else ""
         more += ", or set --train.pin_cores false" if g.cores else ""
         raise ConfigError(
-            f"--vllm.tensor_parallel_size {tp}: a CPU engine's workers need a core each, and {has}; lower it{more}"
+            f"--rollout.tensor_parallel_size {tp}: a CPU engine's workers need a core each, and {has}; lower it{more}"
         )
 
 

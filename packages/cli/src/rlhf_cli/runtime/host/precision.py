@@ -20,10 +20,10 @@ SLOW_BF16 = 2.0
 
 def bf16_flags(cfg: PPOConfig | OfflineConfig) -> list[str]:
     """The flags that ask for bf16 on the CPU: the learners' precision (which ``rlhf ppo``'s engines follow
-    with ``--vllm.dtype auto``) and the engines' own dtype."""
-    flags = ["--ds.precision bf16"] if cfg.ds.precision == "bf16" else []
-    if isinstance(cfg, PPOConfig) and cfg.vllm.dtype == "bfloat16":
-        flags.append("--vllm.dtype bfloat16")
+    with ``--rollout.dtype auto``) and the engines' own dtype."""
+    flags = ["--learner.precision bf16"] if cfg.learner.precision == "bf16" else []
+    if isinstance(cfg, PPOConfig) and cfg.rollout.dtype == "bfloat16":
+        flags.append("--rollout.dtype bfloat16")
     return flags
 
 

@@ -135,7 +135,7 @@ def group_strategy(
     lr_schedule: LRSchedule | None = None,
     keep_stage: bool = False,
 ) -> StrategyOptions:
-    """A group's DeepSpeed options: ``--ds`` plus what the group sets; a frozen group (reference, reward
+    """A group's DeepSpeed options: ``--learner`` plus what the group sets; a frozen group (reference, reward
     model) runs as ``StrategyOptions.for_inference`` says, a trained one as ``for_ranks`` says (one rank:
     ZeRO-1/2 run as stage 0) unless ``keep_stage`` (its checkpoint holds ZeRO partitions, or its states
     are offloaded between phases, which needs a ZeRO optimizer)."""

@@ -107,7 +107,7 @@ class LearnerWorker:
             os.sched_setaffinity(0, picked)
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the plan's threads (Ray's default is 1)
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        self.strategy = make_strategy(spec.strategy)  # the backend --ds.backend names
+        self.strategy = make_strategy(spec.strategy)  # the backend --learner.backend names
         self.strategy.setup_distributed(
             rank=self.rank,
             world_size=spec.world_size,

@@ -54,12 +54,12 @@ def colocation_lines(groups: list[GroupPlan], device_gib: float | None, *, engin
         if host.bundle.get("GPU") and {"actor", "engines"} <= names and engines > 1:
             raise ConfigError(
                 f"--train.colocate_all on GPUs: {engines} engine processes would share the actor's GPUs, but "
-                "CUDA IPC reaches only actor rank 0's; use one engine with --vllm.tensor_parallel_size 1"
+                "CUDA IPC reaches only actor rank 0's; use one engine with --rollout.tensor_parallel_size 1"
             )
         if host.bundle.get("GPU") and device_gib is not None and need > device_gib:
             raise ConfigError(
                 f"--train.colocate_*: {' + '.join(sorted(names))} need {need:.2f} GiB on one GPU of "
-                f"{device_gib:.2f} GiB; lower --vllm.gpu_memory_utilization or colocate fewer groups"
+                f"{device_gib:.2f} GiB; lower --rollout.gpu_memory_utilization or colocate fewer groups"
             )
         label = " + ".join(g.name for g in members)
         if host.bundle.get("GPU"):

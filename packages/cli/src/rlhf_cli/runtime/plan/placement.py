@@ -65,12 +65,12 @@ def _learner_group(
     stage = backend.sharding_stage(ds, train=g.trains)
     shard = lambda b, on: b / g.world if stage >= on else b  # noqa: E731
     parts = {"weights": 0.0 if ds.offload_params else shard(n * (2 if bf16 else 4), 3) / _GIB}
-    flags = ("--ds.zero_stage 3", "--train.micro_batch_size")
+    flags = ("--learner.zero_stage 3", "--train.micro_batch_size")
     if g.trains:
         trained = 0 if g.lora else n
         adam = 0.0 if ds.offload_optimizer else shard(trained * (12 if bf16 else 8), 1)
         parts["grads+optimizer"] = (shard(trained * 4, 2) + adam) / _GIB
-        flags = ("--ds.zero_stage", "--ds.offload_optimizer", "--train.micro_batch_size")
+        flags = ("--learner.zero_stage", "--learner.offload_optimizer", "--train.micro_batch_size")
         flags += () if g.checkpointing else (g.gc_flag,)
     if load is not None:
         act = activation_bytes(shape, *load, trains=g.trains, checkpointing=g.checkpointing, bits16=bf16)
@@ -106,8 +106,12 @@ def eager_engines(flag: bool | None, *, params: int, gpu: bool) -> bool:
 def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: ClusterResources) -> GroupPlan:
     """Engine processes: weights and KV cache as the rollout backend estimates them (``memory``); a KV
     cache pre-allocated in host memory must fit the node, one on a GPU must hold one
-    ``--vllm.max_model_len`` sequence."""
-    tp, util, max_len = cfg.vllm.tensor_parallel_size, cfg.vllm.gpu_memory_utilization, cfg.vllm.max_model_len
+    ``--rollout.max_model_len`` sequence."""
+    tp, util, max_len = (
+        cfg.rollout.tensor_parallel_size,
+        cfg.rollout.gpu_memory_utilization,
+        cfg.rollout.max_model_len,
+    )
     backend = rollout_backend(cfg.rollout.backend)
     mem = backend.memory(
         MemoryQuery(
@@ -119,28 +123,28 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
             device_gib=resources.gpu_memory_gib,
             gpu_memory_utilization=util,
             max_model_len=max_len,
-            kv_cache_gib=cfg.vllm.kv_cache_gib,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
         )
     )
     parts = {"weights": mem.weights_gib} | ({"KV": mem.kv_gib} if mem.kv_gib is not None else {})
     if mem.kv_on_host and mem.kv_gib is not None:  # here, not in each engine's start-up
-        procs = cfg.vllm.num_engines * tp
-        what, flag = "engine process(es)", "--vllm.kv_cache_gib"
+        procs = cfg.rollout.num_engines * tp
+        what, flag = "engine process(es)", "--rollout.kv_cache_gib"
         check_host_memory(resources, gib=mem.kv_gib, processes=procs, what=what, flag=flag)
     if mem.min_kv_gib is not None and mem.kv_gib is not None and mem.kv_gib < mem.min_kv_gib:
         raise ConfigError(
             f"engines: {mem.weights_gib:.2f} GiB of weights per process leave {max(mem.kv_gib, 0):.2f} GiB of KV "
-            f"cache in --vllm.gpu_memory_utilization {util:g} x {resources.gpu_memory_gib:.2f} GiB, less than one "
-            f"--vllm.max_model_len {max_len} sequence; raise --vllm.gpu_memory_utilization or "
-            "--vllm.tensor_parallel_size"
+            f"cache in --rollout.gpu_memory_utilization {util:g} x {resources.gpu_memory_gib:.2f} GiB, less than one "
+            f"--rollout.max_model_len {max_len} sequence; raise --rollout.gpu_memory_utilization or "
+            "--rollout.tensor_parallel_size"
         )
     extra = f", {mem.note}" if mem.note else ("" if mem.kv_gib is not None else ", KV: grows with the batch")
     if backend.capabilities.compiles:
         eager = eager_engines(cfg.vllm.enforce_eager, params=shape.params, gpu=resources.gpus > 0)
         extra += ", eager" if eager else ", compiled"
-    note = f"{cfg.vllm.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
-    flags = ("--vllm.gpu_memory_utilization", "--vllm.tensor_parallel_size")
-    procs, bundle, n = cfg.vllm.num_engines * tp, dict(bundle), shape.params
+    note = f"{cfg.rollout.num_engines} x {cfg.rollout.backend} engine(s), TP {tp}{extra}"
+    flags = ("--rollout.gpu_memory_utilization", "--rollout.tensor_parallel_size")
+    procs, bundle, n = cfg.rollout.num_engines * tp, dict(bundle), shape.params
     threads = 0 if resources.gpus else engine_threads(procs, resources, cfg.ray.threads_per_rank, n)
     return GroupPlan(
         name="engines",
@@ -242,7 +246,7 @@ def make_offline_plan(
     rows = cfg.train.micro_batch_size * (2 if cfg.command in ("rm", "dpo", "kto") else 1)
     load = (cfg.data.max_len, rows) if resources.gpus > 0 else None  # type: ignore[attr-defined]
     bundle = _bundle(resources, cfg.ray)
-    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, bundle, load) for s in specs]
+    groups = [_learner_group(s, sizes.of(s.name), cfg.learner, bundle, load) for s in specs]
     shapes = {"model": cfg.model, "ref": getattr(cfg, "ref", None)}
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
@@ -277,7 +281,7 @@ def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
 def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes | None = None) -> Plan:
     """Processes, bundles and memory per group; raises ConfigError naming the flags when it cannot fit.
     ``sizes``: each group's model (``model_sizes(cfg, model_dir)``; unset: read from ``cfg``'s folders).
-    On GPU a learner micro-batch is ``--train.micro_batch_size`` sequences of ``--vllm.max_model_len``
+    On GPU a learner micro-batch is ``--train.micro_batch_size`` sequences of ``--rollout.max_model_len``
     tokens (prompt + response)."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
     models = {
@@ -286,19 +290,19 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
         "reference": sizes.ref,
         "reward model": sizes.reward,
     }
-    check_positions(cfg.vllm.max_model_len, "--vllm.max_model_len", models)
+    check_positions(cfg.rollout.max_model_len, "--rollout.max_model_len", models)
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
-    load = (cfg.vllm.max_model_len, cfg.train.micro_batch_size) if gpu else None
+    load = (cfg.rollout.max_model_len, cfg.train.micro_batch_size) if gpu else None
     keep = cfg.train.offload_during_rollout
-    groups = [_learner_group(s, sizes.of(s.name), cfg.ds, per, load, keep) for s in _ppo_learners(cfg)]
+    groups = [_learner_group(s, sizes.of(s.name), cfg.learner, per, load, keep) for s in _ppo_learners(cfg)]
     shapes = {"actor": cfg.actor, "critic": cfg.critic, "ref": cfg.ref, "reward": cfg.reward}
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     groups.append(_engines_group(cfg, sizes.of("engines"), per, resources))
     if cfg.pins_cores:
         per_node["engines"] = math.ceil(
-            cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size / resources.nodes
+            cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size / resources.nodes
         )
         # Asynchronous: the producer's reference forward overlaps both sides; bound to no core (with a
         # half's threads: one on 2 cores) it takes what either side leaves idle (2 cores, 23M: 1.14-1.24
@@ -306,9 +310,9 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
         floating = ("ref",) if cfg.train.async_.enabled else ()
         groups = pinned(groups, per_node, resources, floating=floating)
     groups = colocate(groups, cfg.colocated)
-    n, tp = cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size
+    n, tp = cfg.rollout.num_engines, cfg.rollout.tensor_parallel_size
     check_engine_workers(groups, resources, tp=tp, engines=n)
-    engines = f"--vllm.num_engines {n} x --vllm.tensor_parallel_size {tp} engine process(es)"
+    engines = f"--rollout.num_engines {n} x --rollout.tensor_parallel_size {tp} engine process(es)"
     _check_fits(groups, resources, cfg.ray, f"{engines} and the learner groups")
     from rlhf_weightsync import select_transport
 

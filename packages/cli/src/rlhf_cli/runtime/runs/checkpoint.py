@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlhf_learner.strategy import training_backend
 
-from rlhf_cli.config.loading import flat_items
+from rlhf_cli.config.loading import current_tree, flat_items
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.runtime.learners.group import LearnerGroup
 from rlhf_cli.runtime.runs.failures import RunFinished
@@ -105,7 +105,7 @@ def check_compatible(
             raise ValueError(
                 f"--ckpt.load_enable: {where} was written with {key}={a.get(key)!r}, this run has "
                 f"--{key} {b.get(key)!r}; resume with the same settings (only steps, checkpointing, logging, "
-                "evaluation and Ray options may change, and rank counts where --ds.backend reshards checkpoints)"
+                "evaluation and Ray options may change, and rank counts where --learner.backend reshards checkpoints)"
             )
 
 
@@ -187,7 +187,8 @@ def check_resumable(path: Path, config: dict, *, resumable: tuple[str, ...] = RE
     saved = path / "config.json"
     if not saved.is_file():
         raise ValueError(f"--ckpt.load_enable: {path} has no config.json (not written by an rlhf command?)")
-    check_compatible(json.loads(saved.read_text()), config, where=path, resumable=resumable)
+    written = current_tree(json.loads(saved.read_text()))  # settings that moved since, under their new names
+    check_compatible(written, config, where=path, resumable=resumable)
 
 
 def zero_partitioned(path: Path | None, role: str) -> bool:
