@@ -107,3 +107,19 @@ def test_no_package_has_an_import_circle():
         graph = {m: {d for d in deps if modules[d].name != "__init__.py"} for m, deps in graph.items()}
         found += circles(graph)
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+PPO_STAGES = ("experience", "updates", "rewards", "rollout", "evaluation", "pipeline")
+"""The stages of a PPO step: each reads its own settings (``rlhf_cli.ppo.settings``), built once by the
+recipe, never the configuration tree."""
+
+
+def test_the_ppo_stages_never_import_the_configuration():
+    src = ROOT / "packages/cli/src"
+    modules = module_names(src)
+    config = {m for m in modules if m == "rlhf_cli.config" or m.startswith("rlhf_cli.config.")}
+    readers = {
+        stage: sorted(imports_of(f"rlhf_cli.ppo.{stage}", modules[f"rlhf_cli.ppo.{stage}"], modules) & config)
+        for stage in PPO_STAGES
+    }
+    assert not any(readers.values()), f"stages that import the configuration: {readers}"

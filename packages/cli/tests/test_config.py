@@ -353,7 +353,15 @@ def test_settings_that_moved_are_still_read_under_their_old_names(tmp_path):
     --train.backend names the training backend: old flags and old YAML keys read as the new ones."""
     old = build_config(
         PPOConfig,
-        ["--ds.backend", "fsdp2", "--ds.zero_stage", "3", "--vllm.num_engines", "2", "--vllm.max_model_len=64"],
+        [
+            "--ds.backend",
+            "fsdp2",
+            "--ds.zero_stage",
+            "3",
+            "--vllm.num_engines",
+            "2",
+            "--vllm.max_model_len=64",
+        ],
     )
     assert (old.learner.backend, old.learner.zero_stage) == ("fsdp2", 3)
     assert (old.rollout.num_engines, old.rollout.max_model_len) == (2, 64)
@@ -396,3 +404,29 @@ def test_a_checkpoint_written_under_the_old_names_resumes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"learner.zero_stage=3, this run has --learner.zero_stage 2"):
         check_resumable(tmp_path, now)
+
+
+def test_a_rollout_backend_installed_as_a_plugin_is_a_valid_backend(tmp_path, monkeypatch):
+    """An installed package's ``rlhf.rollout_backends`` entry point names the module that registers its
+    backend: --rollout.backend finds it with nothing imported by hand."""
+    import sys
+
+    from rlhf_rollout.backends import ROLLOUT_BACKENDS
+
+    (tmp_path / "plugged_engines.py").write_text(
+        "from rlhf_rollout.backends import TransformersBackend, register_rollout_backend\n\n"
+        "class Plugged(TransformersBackend):\n    name = 'plugged'\n\n"
+        "register_rollout_backend(Plugged())\n"
+    )
+    info = tmp_path / "plugged_engines-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugged-engines\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[rlhf.rollout_backends]\nplugged = plugged_engines\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        result = run_cli("--dry-run", "--rollout.backend", "plugged", "--ray.num_cpus", "2")
+        assert result.exit_code == 0, result.output
+        assert any(line.startswith("engines ") and "plugged" in line for line in result.output.splitlines())
+    finally:
+        ROLLOUT_BACKENDS.pop("plugged", None)
+        sys.modules.pop("plugged_engines", None)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from rlhf_cli.config import PPOConfig, build_config
 from rlhf_cli.data.batches import Sample
+from rlhf_cli.ppo.settings import UpdateSettings
 from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.learners.late_reference import PendingScores, ref_logp_of
 from rlhf_learner import StepResult
@@ -83,10 +84,10 @@ def test_each_rank_rebuilds_the_reference_log_probs_the_batches_carry_otherwise(
     pending = PendingScores(parts=parts, lengths=[len(s) for s in shards], all_refs=parts, timeout_s=30.0)
 
     late, scored = RecordingActor(), RecordingActor()
-    update(cfg, batch, actor=late, critic=None, kl_coef=0.1, step=3, reference=pending)
+    update(UpdateSettings.of(cfg), batch, actor=late, critic=None, kl_coef=0.1, step=3, reference=pending)
     for s, lp in zip(batch, scores, strict=True):
         s.ref_logp = lp
-    update(cfg, batch, actor=scored, critic=None, kl_coef=0.1, step=3)
+    update(UpdateSettings.of(cfg), batch, actor=scored, critic=None, kl_coef=0.1, step=3)
 
     assert len(late.calls) == len(scored.calls) == 4
     fetched = [{}, {}]  # what each rank keeps across the rollout batch's optimizer steps
@@ -109,4 +110,11 @@ def test_a_reference_forward_of_other_samples_is_refused(ray_cluster):
     parts = [ray_cluster.put([torch.zeros(3)] * 3)]
     pending = PendingScores(parts=parts, lengths=[3], all_refs=parts, timeout_s=30.0)
     with pytest.raises(ValueError, match="scored 3 sequences, the update has 4"):
-        update(cfg, samples(4), actor=RecordingActor(), critic=None, kl_coef=0.1, reference=pending)
+        update(
+            UpdateSettings.of(cfg),
+            samples(4),
+            actor=RecordingActor(),
+            critic=None,
+            kl_coef=0.1,
+            reference=pending,
+        )

@@ -18,7 +18,8 @@ from rlhf_cli.data.prompts import PromptSet
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
 from rlhf_cli.ppo.rollout import RolloutStage
-from rlhf_cli.ppo.updates import micro_batches, policy_settings, update
+from rlhf_cli.ppo.settings import ExperienceSettings, RewardSettings, RolloutSettings, UpdateSettings
+from rlhf_cli.ppo.updates import micro_batches, update
 from rlhf_cli.runtime.learners.specs import GroupSpec
 from rlhf_learner import (
     ModelOptions,
@@ -215,7 +216,7 @@ def test_experience_scores_land_on_their_samples_and_kl_is_the_masked_estimator_
     )  # fmt: skip
     samples = make_samples(3, 4, seed=1)
     actor, ref = actor_group(), ref_group()
-    exp = make_experience(cfg, samples, actor=actor, ref=ref, critic=None, kl_coef=0.1)
+    exp = make_experience(ExperienceSettings.of(cfg), samples, actor=actor, ref=ref, critic=None, kl_coef=0.1)
 
     # the groups saw the sequences in order, with the configured micro-batch size and packing
     for g in (actor, ref):
@@ -245,7 +246,9 @@ def test_experience_group_norm_advantages_match_grpo_by_hand():
     )  # fmt: skip
     samples = make_samples(3, 4, seed=2)
     samples[4].reward = samples[5].reward = samples[6].reward = samples[7].reward = 0.5  # a tied group
-    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0)
+    exp = make_experience(
+        ExperienceSettings.of(cfg), samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0
+    )
     want = ref_group_norm_advantages(samples, 4)
     adv_tokens = []
     for s, w in zip(exp.samples, want, strict=True):
@@ -268,7 +271,9 @@ def test_experience_in_reward_kl_uses_the_controllers_coefficient_and_gamma():
         "--algo.kl.coef", "0.05", "--algo.kl.estimator", "k1", "--algo.advantage.gamma", "0.9",
     )  # fmt: skip
     samples = make_samples(2, 3, seed=3)
-    exp = make_experience(cfg, samples, actor=actor_group(), ref=ref_group(), critic=None, kl_coef=0.3)
+    exp = make_experience(
+        ExperienceSettings.of(cfg), samples, actor=actor_group(), ref=ref_group(), critic=None, kl_coef=0.3
+    )
     kl = [[float(a) - float(b) for a, b in zip(s.old_logp, s.ref_logp, strict=True)] for s in exp.samples]
     want = ref_group_norm_advantages(samples, 3, kl_coef=0.3, kl=kl, gamma=0.9)
     for s, w in zip(exp.samples, want, strict=True):
@@ -282,7 +287,9 @@ def test_experience_logp_mismatch_is_over_action_tokens():
     )  # fmt: skip
     samples = make_samples(2, 2, seed=4)
     # prompt tokens must not count: rollout_logp is 0 there, old_logp is not
-    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0)
+    exp = make_experience(
+        ExperienceSettings.of(cfg), samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0
+    )
     gaps = [
         abs(float(s.old_logp[t]) - float(s.rollout_logp[t]))
         for s in exp.samples
@@ -310,10 +317,12 @@ def test_without_engine_logprobs_no_gap_is_measured_nor_sent(logprobs):
             for s in samples:
                 s.rollout_logp = torch.where(s.action_mask, torch.tensor(math.nan), torch.zeros(()))
         actor = actor_group()
-        exp = make_experience(cfg, samples, actor=actor, ref=None, critic=None, kl_coef=0.0)
+        exp = make_experience(
+            ExperienceSettings.of(cfg), samples, actor=actor, ref=None, critic=None, kl_coef=0.0
+        )
         measured = "sync/logp_mismatch_mean" in exp.metrics()
         assert measured == (logprobs == "true" and not cfg.exactly_on_policy)
-        update(cfg, exp.samples, actor=actor, critic=None, kl_coef=0.0)
+        update(UpdateSettings.of(cfg), exp.samples, actor=actor, critic=None, kl_coef=0.0)
         sent = [
             mb.rollout_logp is not None
             for per_rank, _ in actor.policy_calls
@@ -331,7 +340,9 @@ def test_experience_gae_values_and_whitened_advantages_by_hand():
     )  # fmt: skip
     samples = make_samples(2, 2, seed=5)
     critic = critic_group()
-    exp = make_experience(cfg, samples, actor=actor_group(), ref=None, critic=critic, kl_coef=0.0)
+    exp = make_experience(
+        ExperienceSettings.of(cfg), samples, actor=actor_group(), ref=None, critic=critic, kl_coef=0.0
+    )
     raw, rets = [], []
     for s in exp.samples:
         v = ((s.token_ids % 5).to(torch.float32) * 0.3 - 0.2).tolist()
@@ -363,21 +374,21 @@ def test_experience_gae_values_and_whitened_advantages_by_hand():
 
 def test_kl_controller_fixed_without_target():
     cfg = cfg_of("--algo.kl.coef", "0.2")
-    ctl = make_kl_controller(cfg.algo.kl, value=0.2)
+    ctl = make_kl_controller(value=0.2, target=cfg.algo.kl.target, horizon=cfg.algo.kl.horizon)
     assert isinstance(ctl, FixedKLController)
     assert ctl.update(5.0, 64) == 0.2 and ctl.value == 0.2
 
 
 def test_kl_controller_adaptive_with_target_moves_the_right_way():
     cfg = cfg_of("--algo.kl.coef", "0.1", "--algo.kl.target", "0.05", "--algo.kl.horizon", "100")
-    up = make_kl_controller(cfg.algo.kl, value=0.1)
+    up = make_kl_controller(value=0.1, target=cfg.algo.kl.target, horizon=cfg.algo.kl.horizon)
     assert isinstance(up, AdaptiveKLController) and up.target == 0.05 and up.horizon == 100
     assert up.update(0.06, 10) == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))  # error 0.2: KL above target
     assert up.value > 0.1
-    big = make_kl_controller(cfg.algo.kl, value=0.1)
+    big = make_kl_controller(value=0.1, target=cfg.algo.kl.target, horizon=cfg.algo.kl.horizon)
     big.update(5.0, 10)  # error clipped at +0.2
     assert big.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
-    down = make_kl_controller(cfg.algo.kl, value=0.1)
+    down = make_kl_controller(value=0.1, target=cfg.algo.kl.target, horizon=cfg.algo.kl.horizon)
     down.update(0.045, 10)  # error -0.1: KL below target
     assert down.value == pytest.approx(0.1 * (1 - 0.1 * 10 / 100)) and down.value < 0.1
 
@@ -426,7 +437,7 @@ def test_update_runs_each_epoch_and_gives_each_rank_its_contiguous_shard(packing
     )  # fmt: skip
     samples = trained_samples(8)
     actor, critic = actor_group(world_size=2), critic_group(world_size=2)
-    upd = update(cfg, samples, actor=actor, critic=critic, kl_coef=0.0)
+    upd = update(UpdateSettings.of(cfg), samples, actor=actor, critic=critic, kl_coef=0.0)
     assert len(actor.policy_calls) == 2 and len(critic.value_calls) == 2
     assert upd.actor.loss == 1.5 and upd.critic.loss == 11.5  # the mean over the two optimizer steps
     m = upd.metrics()
@@ -455,7 +466,7 @@ def test_update_without_critic_trains_only_the_actor():
         "--train.ppo_epochs", "3",
     )  # fmt: skip
     actor = actor_group()
-    upd = update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0)
+    upd = update(UpdateSettings.of(cfg), trained_samples(4), actor=actor, critic=None, kl_coef=0.0)
     assert len(actor.policy_calls) == 3 and upd.critic is None
     assert not any(k.startswith("critic/") for k in upd.metrics())
 
@@ -467,12 +478,14 @@ def test_a_frozen_actor_leaves_the_first_steps_to_the_critic():
     )  # fmt: skip
     actor, critic = actor_group(), critic_group()
     for step in (1, 2):
-        upd = update(cfg, trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=step)
+        upd = update(
+            UpdateSettings.of(cfg), trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=step
+        )
         assert upd.actor is None and upd.kl_mean is None and len(critic.value_calls) == step
         m = upd.metrics()
         assert m["actor/optimizer_steps"] == 0 and "critic/loss" in m and "actor/loss" not in m
     assert not actor.policy_calls
-    upd = update(cfg, trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=3)
+    upd = update(UpdateSettings.of(cfg), trained_samples(4), actor=actor, critic=critic, kl_coef=0.0, step=3)
     assert len(actor.policy_calls) == 1 and upd.metrics()["actor/loss"] == 1.0
     assert cfg.total_optimizer_steps("actor") == 3 and cfg.total_optimizer_steps("critic") == 5
 
@@ -494,7 +507,7 @@ def test_a_non_finite_loss_on_a_rank_fails_the_run_naming_step_epoch_and_mini_ba
 
     actor.train_policy = second_call_fails
     with pytest.raises(NonFiniteLossError) as err:
-        update(cfg, trained_samples(4), actor=actor, critic=None, kl_coef=0.0, step=7)
+        update(UpdateSettings.of(cfg), trained_samples(4), actor=actor, critic=None, kl_coef=0.0, step=7)
     assert str(err.value) == (
         "step 7, epoch 2, mini-batch 1: actor: micro-batch 1 of 1: loss nan is not finite; "
         "the optimizer step was not taken"
@@ -541,18 +554,18 @@ def test_policy_settings_carry_the_config():
         "--algo.is_correction.low", "0.5", "--algo.is_correction.high", "3", "--actor.aux_loss_coef", "0.01",
         "--algo.entropy_coef", "0.001", "--rollout.max_new_tokens", "16", "--algo.clip.ratio_type", "sequence",
     )  # fmt: skip
-    s = policy_settings(cfg, kl_coef=0.09)
+    s = UpdateSettings.of(cfg).policy(0.09)
     assert (s.clip_eps_low, s.clip_eps_high, s.dual_clip, s.ratio_type) == (0.1, 0.28, 3.0, "sequence")
     assert (s.loss_agg, s.horizon, s.entropy_coef) == ("seq-mean-token-mean", 16, 0.001)
     assert (s.kl_estimator, s.kl_loss_coef) == ("k2", 0.09)  # the controller's value, as a loss
     assert (s.is_correction, s.is_low, s.is_high, s.aux_loss_coef) == ("tis", 0.5, 3.0, 0.01)
 
-    default = policy_settings(cfg_of(), kl_coef=0.0)
+    default = UpdateSettings.of(cfg_of()).policy(0.0)
     assert (default.clip_eps_low, default.clip_eps_high, default.dual_clip) == (0.2, None, None)
     assert (default.kl_loss_coef, default.is_correction, default.aux_loss_coef) == (0.0, "none", 0.0)
     assert default.loss_agg == "token-mean" and default.horizon == cfg_of().rollout.max_new_tokens
     # KL as a reward penalty: no KL loss term
-    assert policy_settings(cfg_of("--algo.kl.coef", "0.05"), kl_coef=0.05).kl_loss_coef == 0.0
+    assert UpdateSettings.of(cfg_of("--algo.kl.coef", "0.05")).policy(0.05).kl_loss_coef == 0.0
 
 
 def test_update_sends_ref_and_rollout_logp_only_when_the_loss_needs_them():
@@ -563,7 +576,7 @@ def test_update_sends_ref_and_rollout_logp_only_when_the_loss_needs_them():
     )  # fmt: skip
     samples = trained_samples(4)
     actor = actor_group()
-    update(cfg, samples, actor=actor, critic=None, kl_coef=0.07)
+    update(UpdateSettings.of(cfg), samples, actor=actor, critic=None, kl_coef=0.07)
     ((per_rank, settings),) = actor.policy_calls
     assert settings.kl_loss_coef == 0.07 and settings.is_correction == "icepop"
     (mb, mb2) = per_rank[0]
@@ -594,16 +607,19 @@ def traj(*, reward=1.0, actions=3, prompt=2, truncated=False, mask=None, extra=N
 
 @pytest.mark.parametrize(("coef", "truncated_reward"), [(0.5, 0.4), (0.0, 0.0), (-1.0, -1.0)])
 def test_stop_penalty_only_on_truncated(coef, truncated_reward):
-    stage = RewardStage(cfg_of("--algo.stop_penalty", str(coef)), reward_model=None)
+    stage = RewardStage(RewardSettings.of(cfg_of("--algo.stop_penalty", str(coef))), reward_model=None)
     assert stage.reward(traj(reward=0.8, truncated=True)) == pytest.approx(truncated_reward)
     assert stage.reward(traj(reward=0.8, truncated=False)) == pytest.approx(0.8)
-    assert RewardStage(cfg_of(), reward_model=None).reward(traj(reward=0.8, truncated=True)) == 0.8
+    assert (
+        RewardStage(RewardSettings.of(cfg_of()), reward_model=None).reward(traj(reward=0.8, truncated=True))
+        == 0.8
+    )
 
 
 def test_overlong_penalty_on_the_policys_token_count():
     cfg = cfg_of("--rollout.max_new_tokens", "8", "--algo.overlong.buffer_length", "4",
                  "--algo.overlong.penalty_factor", "2")  # fmt: skip
-    stage = RewardStage(cfg, reward_model=None)
+    stage = RewardStage(RewardSettings.of(cfg), reward_model=None)
     for n in range(0, 12):
         closed = 0.0 if n <= 4 else max((4 - n) / 4 * 2.0, -2.0)
         got = stage.reward(traj(reward=0.3, actions=n))
@@ -616,13 +632,15 @@ def test_overlong_penalty_on_the_policys_token_count():
     assert stage.reward(multi) == pytest.approx(0.3)
     # both penalties: the stop penalty scales the reward, the overlong one is added
     both = RewardStage(
-        cfg_of(
-            "--rollout.max_new_tokens",
-            "8",
-            "--algo.overlong.buffer_length",
-            "4",
-            "--algo.stop_penalty",
-            "0.5",
+        RewardSettings.of(
+            cfg_of(
+                "--rollout.max_new_tokens",
+                "8",
+                "--algo.overlong.buffer_length",
+                "4",
+                "--algo.stop_penalty",
+                "0.5",
+            )
         ),
         reward_model=None,
     )
@@ -633,14 +651,14 @@ def test_reward_model_score_replaces_score_and_reward():
     cfg = cfg_of("--train.micro_batch_size", "4")
     rm = FakeGroup("reward", score=lambda s: torch.tensor(float(s.sum()) / 100.0))
     trajs = [traj(reward=9.0, ids=[1, 2, 3, 4, 5]), traj(reward=-9.0, ids=[7, 7, 7, 7, 7])]
-    RewardStage(cfg, reward_model=rm).score(trajs)
+    RewardStage(RewardSettings.of(cfg), reward_model=rm).score(trajs)
     assert [t.score for t in trajs] == pytest.approx([0.15, 0.35])
     assert [t.reward for t in trajs] == pytest.approx([0.15, 0.35])
     (call,) = rm.forward_calls
     assert [s.tolist() for s in call["sequences"]] == [[1, 2, 3, 4, 5], [7, 7, 7, 7, 7]]
     assert call["mbs"] == 4 and call["packing"] is False
     kept = [traj(reward=2.0)]
-    RewardStage(cfg, reward_model=None).score(kept)
+    RewardStage(RewardSettings.of(cfg), reward_model=None).score(kept)
     assert kept[0].score == 2.0 and kept[0].reward == 2.0
 
 
@@ -730,7 +748,12 @@ def test_dapo_drops_uniform_groups_and_samples_more_prompts():
     cfg = dapo_cfg("--algo.dynamic_filtering.max_rounds", "3")
     script = [[[0, 0], [0, 1], [1, 1], [1, 0]], [[1, 0], [0, 1]]]
     ex, prompts = ScriptedExecutors(script), prompt_set()
-    stage = RolloutStage(cfg, make_executor=ex, prompts=prompts, rewards=RewardStage(cfg, reward_model=None))
+    stage = RolloutStage(
+        RolloutSettings.of(cfg),
+        make_executor=ex,
+        prompts=prompts,
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=None),
+    )
     batch = stage.produce(5, weight_version=7)
 
     assert [len(c["prompts"]) for c in ex.calls] == [4, 2]  # the second round asks for the 2 missing
@@ -750,8 +773,10 @@ def test_dapo_drops_uniform_groups_and_samples_more_prompts():
         assert p.seed == cfg.train.seed + 100_003 * 5 + 7_919 * k
         assert p.logprobs is True and p.seed_per_sample is True
     skipping = dapo_cfg("--rollout.logprobs", "false", "--rollout.seed_per_sample", "false")
-    rewards = RewardStage(skipping, reward_model=None)
-    params = RolloutStage(skipping, make_executor=ex, prompts=prompts, rewards=rewards).params(5, 1)
+    rewards = RewardStage(RewardSettings.of(skipping), reward_model=None)
+    params = RolloutStage(
+        RolloutSettings.of(skipping), make_executor=ex, prompts=prompts, rewards=rewards
+    ).params(5, 1)
     assert params.logprobs is False and params.seed_per_sample is False
     m = batch.metrics()
     assert m["filter/rounds"] == 2.0 and m["filter/refilled_with_dropped_groups"] == 0.0
@@ -782,7 +807,10 @@ def test_dapo_refills_with_dropped_groups_after_max_rounds(max_rounds, script, w
     cfg = dapo_cfg("--algo.dynamic_filtering.max_rounds", str(max_rounds))
     ex = ScriptedExecutors(script)
     stage = RolloutStage(
-        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+        RolloutSettings.of(cfg),
+        make_executor=ex,
+        prompts=prompt_set(),
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=None),
     )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == max_rounds  # no round beyond max_rounds
@@ -803,7 +831,10 @@ def test_dapo_range_flags_decide_what_is_kept():
     script = [[[0.1, 0.1, 0.1, 0.1], [1, 0, 0, 0]], [[1, 1, 1, 1]], [[1, 1, 1, 0]]]
     ex = ScriptedExecutors(script)
     stage = RolloutStage(
-        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+        RolloutSettings.of(cfg),
+        make_executor=ex,
+        prompts=prompt_set(),
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=None),
     )
     batch = stage.produce(1, weight_version=1)
     assert [len(c["prompts"]) for c in ex.calls] == [2, 1, 1]
@@ -819,7 +850,10 @@ def test_filtering_off_keeps_everything_in_one_round():
     )  # fmt: skip
     ex = ScriptedExecutors([[[0, 0], [1, 1], [0, 1], [1, 1]]], truncated=lambda k, i, j: i == 1 and j == 0)
     stage = RolloutStage(
-        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=None)
+        RolloutSettings.of(cfg),
+        make_executor=ex,
+        prompts=prompt_set(),
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=None),
     )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == 1
@@ -850,7 +884,10 @@ def test_dapo_filters_on_the_reward_models_scores():
     rm = FakeGroup("reward", score=lambda s: torch.tensor(float(s[-2] - 90)))  # 0 / 1 by sample index
     ex = ScriptedExecutors([[[1, 1]] * 4])
     stage = RolloutStage(
-        cfg, make_executor=ex, prompts=prompt_set(), rewards=RewardStage(cfg, reward_model=rm)
+        RolloutSettings.of(cfg),
+        make_executor=ex,
+        prompts=prompt_set(),
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=rm),
     )
     batch = stage.produce(1, weight_version=1)
     assert len(ex.calls) == 1 and batch.filter_rounds == 1
@@ -867,7 +904,9 @@ def test_an_exactly_on_policy_update_skips_the_old_policy_forward():
     )  # fmt: skip
     assert cfg.exactly_on_policy
     actor, ref = actor_group(), ref_group()
-    exp = make_experience(cfg, make_samples(3, 4, seed=1), actor=actor, ref=ref, critic=None, kl_coef=0.1)
+    exp = make_experience(
+        ExperienceSettings.of(cfg), make_samples(3, 4, seed=1), actor=actor, ref=ref, critic=None, kl_coef=0.1
+    )
     assert actor.forward_calls == [] and len(ref.forward_calls) == 1
     assert all(s.old_logp is None and s.ref_logp is not None for s in exp.samples)
     assert exp.kl_mean is None and exp.logp_mismatch_mean is None
@@ -895,7 +934,13 @@ def test_concurrent_forwards_give_the_same_experience():
     runs = []
     for concurrent in (False, True):
         groups = {"actor": actor_group(), "ref": ref_group(), "critic": critic_group()}
-        exp = make_experience(cfg, make_samples(2, 2, seed=3), **groups, kl_coef=0.1, concurrent=concurrent)
+        exp = make_experience(
+            ExperienceSettings.of(cfg),
+            make_samples(2, 2, seed=3),
+            **groups,
+            kl_coef=0.1,
+            concurrent=concurrent,
+        )
         assert all(getattr(g, "submitted", 0) == (1 if concurrent else 0) for g in groups.values())
         runs.append(exp)
     a, b = runs

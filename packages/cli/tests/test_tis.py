@@ -12,6 +12,7 @@ import torch
 import yaml
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample
+from rlhf_cli.ppo.settings import UpdateSettings
 from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.learners.losses import policy_step_args
 from rlhf_cli.runtime.learners.specs import PolicyLossSettings
@@ -260,7 +261,7 @@ def test_config_is_correction_reaches_the_loss_through_update():
     for mode in ("none", "tis"):
         cfg = cfg_of(*common, "--algo.is_correction.mode", mode, "--algo.is_correction.high", "1.5")
         actor = EngineActor()
-        upd = update(cfg, samples, actor=actor, critic=None, kl_coef=0.0)
+        upd = update(UpdateSettings.of(cfg), samples, actor=actor, critic=None, kl_coef=0.0)
         ((res, grad, mbs),) = actor.results
         assert upd.actor is res and len(mbs) == 2
         weight = tis(0.0, 1.5) if mode == "tis" else (lambda o, r: 1.0)

@@ -122,3 +122,37 @@ def test_fsdp2_features_reach_deepspeeds_losses(dist_single, tiny_model_dir, fea
         losses[backend] = [step().loss for _ in range(4)]
     assert losses["fsdp2"] == pytest.approx(losses["deepspeed"], rel=1e-5)
     assert losses["fsdp2"][-1] < losses["fsdp2"][0]
+
+
+def test_a_training_backend_installed_as_a_plugin_is_found_in_any_process(tmp_path, monkeypatch):
+    """A package's ``rlhf.training_backends`` entry point names the module that registers its backend: a
+    name not registered yet loads it, in this process and in a fresh one (as a Ray learner worker is)."""
+    import subprocess
+    import sys
+
+    from rlhf_learner.strategy import TRAINING_BACKENDS, Strategy, StrategyOptions, make_strategy
+
+    (tmp_path / "plugged_backend.py").write_text(
+        "from rlhf_learner.strategy import Strategy, register_training_backend\n\n"
+        "@register_training_backend('plugged')\nclass Plugged(Strategy):\n    pass\n"
+    )
+    info = tmp_path / "plugged_backend-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugged-backend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[rlhf.training_backends]\nplugged = plugged_backend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        strategy = make_strategy(StrategyOptions(backend="plugged"))
+        assert type(strategy).__name__ == "Plugged" and isinstance(strategy, Strategy)
+    finally:
+        TRAINING_BACKENDS.pop("plugged", None)
+        sys.modules.pop("plugged_backend", None)
+    probe = "from rlhf_learner.strategy import training_backend; print(training_backend('plugged').__name__)"
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "Plugged", out.stderr
+    (info / "entry_points.txt").write_text("[rlhf.training_backends]\nbroken = no_such_module\n")
+    with pytest.raises(
+        ValueError, match=r"^training backend plugin broken \(no_such_module\): No module named"
+    ):
+        StrategyOptions(backend="other")

@@ -58,10 +58,12 @@ class RolloutConfig(Section):
     @field_validator("backend")
     @classmethod
     def _registered(cls, name: str) -> str:
-        if name not in ROLLOUT_BACKENDS:
+        try:
+            rollout_backend(name)  # installed plugins are loaded on a miss
+        except ValueError:
             raise ValueError(
                 f"expected a registered rollout backend ({', '.join(sorted(ROLLOUT_BACKENDS))}), got {name!r}"
-            )
+            ) from None
         return name
 
     @property

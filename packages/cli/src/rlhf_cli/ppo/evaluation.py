@@ -6,10 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample, sft_batch
 from rlhf_cli.data.prompts import PromptSet, encode_prompt
 from rlhf_cli.demo import task
+from rlhf_cli.ppo.settings import EvalSettings, WarmupSettings
 from rlhf_cli.ppo.updates import micro_batches
 from rlhf_cli.runtime.learners.protocols import ScoringGroup
 from rlhf_rollout import AgentExecutorBase, SamplingParams
@@ -18,7 +18,7 @@ __all__ = ["evaluate", "pass_metrics", "warmup"]
 
 
 def evaluate(
-    cfg: PPOConfig,
+    settings: EvalSettings,
     make_executor: Callable[[SamplingParams], AgentExecutorBase],
     prompts: PromptSet,
     reward_model: ScoringGroup | None,
@@ -27,28 +27,20 @@ def evaluate(
     (seeded with ``--train.seed``: every evaluation draws the same noise): mean reward, pass rate (the
     answers scoring >= ``--eval.pass_threshold``) and, with several answers, pass@n (the prompts with a
     passing answer)."""
-    e = cfg.eval
-    params = SamplingParams(
-        temperature=e.temperature,
-        n=e.n_samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        logprobs=False,
-        seed=cfg.train.seed if e.temperature > 0 else None,
-    )
-    trajs = make_executor(params).run(prompts.token_ids, labels=prompts.labels)
+    trajs = make_executor(settings.sampling).run(prompts.token_ids, labels=prompts.labels)
     scores = [t.score for t in trajs]
     if reward_model is not None:
         scores = [
             float(s)
             for s in reward_model.forward(
                 [torch.tensor(t.token_ids) for t in trajs],
-                micro_batch_size=cfg.train.micro_batch_size,
+                micro_batch_size=settings.micro_batch_size,
                 packing=False,
             )
         ]
     prompts_of = [t.prompt_index for t in trajs]  # an agent's episode may give several trajectories
     return {"eval/reward_mean": sum(scores) / len(scores)} | pass_metrics(
-        scores, prompts_of, several=e.n_samples > 1, threshold=e.pass_threshold
+        scores, prompts_of, several=settings.sampling.n > 1, threshold=settings.pass_threshold
     )
 
 
@@ -68,13 +60,13 @@ def pass_metrics(
     return out
 
 
-def warmup(cfg: PPOConfig, actor: Any, tokenizer: Any) -> None:
+def warmup(settings: WarmupSettings, actor: Any, tokenizer: Any) -> None:
     """Built-in demo: a few supervised steps on the answer format before reinforcement learning."""
-    pairs = task.warmup_records(seed=cfg.train.seed)
+    pairs = task.warmup_records(seed=settings.seed)
     eos = tokenizer.eos_token_id
     samples = []
     for prompt, response in pairs:
-        p = encode_prompt(prompt, tokenizer, apply_chat_template=cfg.data.apply_chat_template)
+        p = encode_prompt(prompt, tokenizer, apply_chat_template=settings.apply_chat_template)
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
         ids = torch.tensor(p + r)
         mask = torch.tensor([False] * len(p) + [True] * len(r))
@@ -90,15 +82,15 @@ def warmup(cfg: PPOConfig, actor: Any, tokenizer: Any) -> None:
                 weight_version=0,
             )
         )
-    per_step = cfg.optimizer_batch_size  # one optimizer step of the actor each
-    g = torch.Generator().manual_seed(cfg.train.seed)
-    for _ in range(cfg.train.warmup_sft_steps):
+    per_step, b = settings.batch_size, settings.batching  # one optimizer step of the actor each
+    g = torch.Generator().manual_seed(settings.seed)
+    for _ in range(settings.steps):
         idx = torch.randint(len(samples), (per_step,), generator=g).tolist()
         batches = micro_batches(
             [samples[i] for i in idx],
             actor,
-            micro_batch_size=cfg.train.micro_batch_size,
+            micro_batch_size=b.micro_batch_size,
             dynamic=False,
-            build=lambda part: sft_batch(part, packing=cfg.train.packing),
+            build=lambda part: sft_batch(part, packing=b.packing),
         )
         actor.train_sft(batches)

@@ -17,9 +17,8 @@ from rlhf_algos import (
     compute_advantages,
     masked_mean,
 )
-from rlhf_cli.config import PPOConfig
-from rlhf_cli.config.algo import KLConfig
 from rlhf_cli.data.batches import Sample, pad_stack
+from rlhf_cli.ppo.settings import Batching, ExperienceSettings
 from rlhf_cli.runtime.learners.late_reference import PendingScores
 from rlhf_cli.runtime.learners.protocols import ScoringGroup
 
@@ -82,19 +81,22 @@ class Experience:
         return out
 
 
-def make_kl_controller(kl: KLConfig, *, value: float) -> AdaptiveKLController | FixedKLController:
-    """Adaptive (Ziegler et al. 2019) when ``--algo.kl.target`` is set, else fixed at ``value``."""
-    if kl.target is not None:
-        return AdaptiveKLController(value=value, target=kl.target, horizon=kl.horizon)
+def make_kl_controller(
+    *, value: float, target: float | None, horizon: int
+) -> AdaptiveKLController | FixedKLController:
+    """Adaptive (Ziegler et al. 2019) when a ``target`` KL is set (``--algo.kl.target``), else fixed at
+    ``value``."""
+    if target is not None:
+        return AdaptiveKLController(value=value, target=target, horizon=horizon)
     return FixedKLController(value=value)
 
 
 def _scores(
-    groups: Sequence[ScoringGroup | None], seqs: list[torch.Tensor], cfg: PPOConfig, *, concurrent: bool
+    groups: Sequence[ScoringGroup | None], seqs: list[torch.Tensor], batching: Batching, *, concurrent: bool
 ) -> list[tuple[list | None, float]]:
     """Each group's per-sequence forward (None for a missing group) and its seconds: one after the other
     (each then has the cores or devices to itself), or all started at once when ``concurrent``."""
-    kw = {"micro_batch_size": cfg.train.micro_batch_size, "packing": cfg.train.packing}
+    kw = {"micro_batch_size": batching.micro_batch_size, "packing": batching.packing}
     out: list[tuple[list | None, float]] = []
     if concurrent:
         t0 = time.perf_counter()
@@ -109,7 +111,7 @@ def _scores(
 
 
 def _advantages(
-    cfg: PPOConfig,
+    settings: ExperienceSettings,
     samples: Sequence[Sample],
     mask: torch.Tensor,
     *,
@@ -118,31 +120,31 @@ def _advantages(
     kl_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` of the configured estimator (rlhf-algos), each ``[B, T]``."""
-    a = cfg.algo.advantage
+    a = settings
     inputs = AdvantageInputs(
         scores=torch.tensor([s.reward for s in samples]),
         mask=mask,
-        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        n_samples_per_prompt=a.n_samples_per_prompt,
         kl=kl,
         values=pad_stack([s.values for s in samples]) if with_values else None,
     )
-    shaping = kl_coef if cfg.algo.kl.reward_penalty else 0.0
+    shaping = kl_coef if a.kl_in_reward else 0.0
     return compute_advantages(
         a.estimator, inputs, gamma=a.gamma, lam=a.lam, kl_coef=shaping, reward_clip=a.reward_clip
     )
 
 
-def score_reference(cfg: PPOConfig, samples: Sequence[Sample], ref: ScoringGroup) -> float:
+def score_reference(batching: Batching, samples: Sequence[Sample], ref: ScoringGroup) -> float:
     """Fill each sample's reference log-probs (they depend on the samples alone, so an asynchronous run
     computes them in the producer, beside generation); returns the seconds it took."""
-    ((logp, seconds),) = _scores([ref], [s.token_ids for s in samples], cfg, concurrent=False)
+    ((logp, seconds),) = _scores([ref], [s.token_ids for s in samples], batching, concurrent=False)
     for s, lp in zip(samples, logp, strict=True):
         s.ref_logp = lp
     return seconds
 
 
 def make_experience(
-    cfg: PPOConfig,
+    settings: ExperienceSettings,
     samples: Sequence[Sample],
     *,
     actor: ScoringGroup,
@@ -152,22 +154,22 @@ def make_experience(
     concurrent: bool = False,
 ) -> Experience:
     """Score the samples and compute advantages and returns. The old-policy forward is skipped when the
-    update is exactly on-policy (``PPOConfig.exactly_on_policy``): the update step then uses the current
+    update is exactly on-policy (``settings.on_policy``): the update step then uses the current
     log-probs, detached, and measures the KL and the engine gap itself. ``concurrent``: the groups sit on
-    different devices, so their forwards overlap. With ``PPOConfig.reference_overlaps_update`` the
+    different devices, so their forwards overlap. With ``settings.overlap_reference`` the
     reference forward is started first and not waited for (``Experience.pending_reference``)."""
     seqs = [s.token_ids for s in samples]
     scored = ref is not None and all(s.ref_logp is not None for s in samples)  # by the producer (async)
     pending = None
-    if ref is not None and not scored and cfg.reference_overlaps_update:
-        kw = {"micro_batch_size": cfg.train.micro_batch_size, "packing": cfg.train.packing}
-        pending = ref.start_forward(seqs, **kw)
+    b = settings.batching
+    if ref is not None and not scored and settings.overlap_reference:
+        pending = ref.start_forward(seqs, micro_batch_size=b.micro_batch_size, packing=b.packing)
     groups = (
-        None if cfg.exactly_on_policy else actor,
+        None if settings.on_policy else actor,
         None if scored or pending is not None else ref,
         critic,
     )
-    (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, cfg, concurrent=concurrent)
+    (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, b, concurrent=concurrent)
     for i, s in enumerate(samples):
         s.old_logp = old[i] if old is not None else None
         if ref_logp is not None:
@@ -179,12 +181,12 @@ def make_experience(
     old_t = pad_stack([s.old_logp for s in samples]) if old is not None else None
     kl = None
     if ref is not None and old_t is not None and pending is None:
-        kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), cfg.algo.kl.estimator)
-    adv, ret = _advantages(cfg, samples, mask, kl=kl, with_values=critic is not None, kl_coef=kl_coef)
+        kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), settings.kl_estimator)
+    adv, ret = _advantages(settings, samples, mask, kl=kl, with_values=critic is not None, kl_coef=kl_coef)
     for i, s in enumerate(samples):
         s.advantages, s.returns = adv[i, : s.length].clone(), ret[i, : s.length].clone()
     gap = None
-    if old_t is not None and cfg.rollout.logprobs:
+    if old_t is not None and settings.engine_logprobs:
         gap = (old_t - pad_stack([s.rollout_logp for s in samples])).abs()[mask.bool()]
     return Experience(
         samples=list(samples),

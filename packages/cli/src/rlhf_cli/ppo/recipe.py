@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.data.prompts import PromptCursor
+from rlhf_cli.data.prompts import PromptCursor, PromptSet
 from rlhf_cli.ppo.components import Components, start_components
 from rlhf_cli.ppo.evaluation import evaluate, warmup
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller, score_reference
@@ -19,6 +19,7 @@ from rlhf_cli.ppo.pipeline import RolloutPipeline, staleness_metrics, timed_take
 from rlhf_cli.ppo.prompts import load_prompts, skipped_notes
 from rlhf_cli.ppo.rewards import RewardStage
 from rlhf_cli.ppo.rollout import RolloutBatch, RolloutStage
+from rlhf_cli.ppo.settings import EvalSettings, StageSettings
 from rlhf_cli.ppo.sources import executor_factory
 from rlhf_cli.ppo.updates import update
 from rlhf_cli.runtime.learners.memory_phases import MemoryPhases
@@ -53,8 +54,19 @@ def _plan_for(cfg: PPOConfig, resources: ClusterResources, sizes: ModelSizes) ->
     return make_plan(cfg, resources, sizes=sizes)
 
 
+def _resumable(cfg: PPOConfig) -> tuple[str, ...]:
+    """The settings a resumed run may change (the evaluation prompts among them)."""
+    return resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), backend=cfg.learner.backend)
+
+
 def _start(
-    cfg: PPOConfig, r: Run, tokenizer: Any, engines: EngineClient | None, *, per_episode: bool
+    cfg: PPOConfig,
+    r: Run,
+    tokenizer: Any,
+    engines: EngineClient | None,
+    *,
+    per_episode: bool,
+    stages: StageSettings,
 ) -> tuple[Components, RunState]:
     """The groups, engines and weight sync; the checkpoint's state (or the demo's warm-up); the engines
     given the policy's weights (a resumed run re-sends the version it had)."""
@@ -74,20 +86,30 @@ def _start(
     )
     state = r.resume(c.learner_groups(), RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef))
     if r.resume_from is None and cfg.warmup_runs:
-        warmup(cfg, c.actor, tokenizer)
+        warmup(stages.warmup, c.actor, tokenizer)
     c.sync.push(version=state.weight_version or 1)
     return c, state
 
 
-def _pipeline(cfg: PPOConfig, rollout: RolloutStage, c: Components, *, first_step: int) -> RolloutPipeline:
+def _pipeline(
+    cfg: PPOConfig,
+    stages: StageSettings,
+    c: Components,
+    make_executor: Any,
+    prompts: PromptSet,
+    *,
+    first_step: int,
+) -> RolloutPipeline:
     """Rollouts for the steps left, made ahead of training by up to ``--train.async.max_staleness``;
     asynchronous, the producer also runs the reference forward (it needs the samples alone)."""
-    a = cfg.train.async_
+    rewards = RewardStage(stages.rewards, reward_model=c.reward)
+    rollout = RolloutStage(stages.rollout, make_executor=make_executor, prompts=prompts, rewards=rewards)
+    batching, a = stages.experience.batching, cfg.train.async_
     if a.partial_rollout and not all(hasattr(e, "pause") for e in c.engines.engines):
         raise ValueError("--train.async.partial_rollout: the engines given cannot pause (not asynchronous)")
 
     def score(batch: RolloutBatch) -> None:
-        batch.reference_s = score_reference(cfg, batch.samples, c.ref) if c.ref is not None else None
+        batch.reference_s = score_reference(batching, batch.samples, c.ref) if c.ref is not None else None
 
     phases = None
     if cfg.colocated:  # the hybrid engine: one schedule of release, acquire, offload and reload
@@ -117,53 +139,52 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
-    backend = cfg.learner.backend
-    resumable = resumable_changes(lr_scheduled=cfg.lr_scheduled, extra=("eval.path",), backend=backend)
-    setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=resumable)
+    setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=_resumable(cfg))
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer)
     setup.check_resume(total_steps=cfg.train.num_steps, data_size=len(train_set.token_ids))
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
     with setup.start() as r:
         r.stop_at_exit(executors.close)  # an OpenAI-API agent's server; nothing for the others
-        c, state = _start(cfg, r, tokenizer, engines, per_episode=executors.per_episode)
+        stages = StageSettings.of(cfg)  # what each stage reads of the configuration
+        c, state = _start(cfg, r, tokenizer, engines, per_episode=executors.per_episode, stages=stages)
         train_set.cursor = state.cursor
         make_executor = functools.partial(executors, c.engines)
-        rewards = RewardStage(cfg, reward_model=c.reward)
-        rollout = RolloutStage(cfg, make_executor=make_executor, prompts=train_set, rewards=rewards)
-        kl_ctl = make_kl_controller(cfg.algo.kl, value=state.kl_coef)
+        kl = cfg.algo.kl
+        kl_ctl = make_kl_controller(value=state.kl_coef, target=kl.target, horizon=kl.horizon)
         notes = skipped_notes(cfg, train_set, eval_set)
         tracker = r.start_tracker(total_steps=cfg.train.num_steps, state=state, notes=notes)
         schedule = EvalSchedule(every=cfg.eval.every if eval_set else 0, last_step=cfg.train.num_steps)
         gpu = r.plan.device == "cuda"  # groups on their own GPUs: their forwards overlap
-        rollouts = _pipeline(cfg, rollout, c, first_step=state.step + 1)
+        rollouts = _pipeline(cfg, stages, c, make_executor, train_set, first_step=state.step + 1)
         r.stop_at_exit(rollouts.close)
-        evaluated = functools.partial(_evaluated, cfg, rollouts, make_executor, eval_set, c.reward)
+        evaluated = functools.partial(
+            _evaluated, stages.evaluation, rollouts, make_executor, eval_set, c.reward
+        )
 
         # ---- train: one call per stage ------------------------------------------------------------
         for step in range(state.step + 1, cfg.train.num_steps + 1):
             t0 = time.perf_counter()
             before = evaluated(schedule.before(step))
             batch, waited = timed_take(rollouts, step)  # engines -> rewards -> filter (maybe made ahead)
-            exp = make_experience(cfg, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu)
+            exp = make_experience(
+                stages.experience, batch.samples, **c.scorers(), kl_coef=kl_ctl.value, concurrent=gpu
+            )
             late = exp.pending_reference  # the reference forward, running: the actor's ranks fetch it
-            upd = update(cfg, exp.samples, **c.trained(), kl_coef=kl_ctl.value, step=step, reference=late)
+            upd = update(
+                stages.update, exp.samples, **c.trained(), kl_coef=kl_ctl.value, step=step, reference=late
+            )
             version = rollouts.policy_version(step)
             lag = staleness_metrics(batch, policy_version=version, eta=rollouts.max_staleness)
             synced = rollouts.sync()  # actor -> engines, as the next version
-            if cfg.algo.kl.enabled and upd.actor is not None:  # a frozen actor's KL says nothing new
-                kl_ctl.update(
-                    exp.kl_mean if exp.kl_mean is not None else upd.kl_mean or 0.0, len(exp.samples)
-                )
+            if kl.enabled and upd.actor is not None:  # a frozen actor's KL says nothing new
+                kl_ctl.update((upd.kl_mean or 0.0) if exp.kl_mean is None else exp.kl_mean, len(exp.samples))
             timing = {"time/learner": upd.seconds + exp.forward_s, "time/step": time.perf_counter() - t0}
             after = evaluated(schedule.after(step))
             state = RunState(
-                step=step,
-                weight_version=c.sync.version,
-                cursor=batch.cursor,
-                kl_coef=kl_ctl.value,
-                wandb_run_id=tracker.wandb_run_id,
+                step=step, weight_version=c.sync.version, cursor=batch.cursor, kl_coef=kl_ctl.value
             )
+            state.wandb_run_id = tracker.wandb_run_id
             parts = (before, batch.metrics(), exp.metrics(), upd.metrics(), synced.metrics(), lag, waited)
             tracker.log(step, functools.reduce(operator.or_, parts) | timing | after)
             r.checkpoint(state, c.learner_groups())
@@ -174,13 +195,13 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
         return _finish(cfg, r, c, tracker)
 
 
-def _evaluated(cfg: PPOConfig, rollouts: RolloutPipeline, make_executor, eval_set, reward, due: bool):
+def _evaluated(settings: EvalSettings, rollouts: RolloutPipeline, make_executor, eval_set, reward, due: bool):
     """The evaluation metrics when due, with the engines to itself (no batch generates meanwhile: an
     OpenAI-API agent's server and a reward-model group are shared with the rollouts)."""
     if not due:
         return {}
     with rollouts.exclusive():
-        return evaluate(cfg, make_executor, eval_set, reward)
+        return evaluate(settings, make_executor, eval_set, reward)
 
 
 def _finish(cfg: PPOConfig, r: Run, c: Components, tracker: Any) -> PPOResult:

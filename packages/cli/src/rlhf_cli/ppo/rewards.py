@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 from rlhf_algos import overlong_penalty, stop_penalty
-from rlhf_cli.config import PPOConfig
+from rlhf_cli.ppo.settings import RewardSettings
 from rlhf_cli.runtime.learners.protocols import ScoringGroup
 from rlhf_rollout import Trajectory
 
@@ -17,8 +17,8 @@ __all__ = ["RewardStage", "extra_log_means"]
 
 
 class RewardStage:
-    def __init__(self, cfg: PPOConfig, *, reward_model: ScoringGroup | None) -> None:
-        self.cfg, self.reward_model = cfg, reward_model
+    def __init__(self, settings: RewardSettings, *, reward_model: ScoringGroup | None) -> None:
+        self.settings, self.reward_model = settings, reward_model
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
         """With a reward-model group: its score becomes each trajectory's score and reward."""
@@ -26,7 +26,7 @@ class RewardStage:
             return
         scores = self.reward_model.forward(
             [torch.tensor(t.token_ids) for t in trajs],
-            micro_batch_size=self.cfg.train.micro_batch_size,
+            micro_batch_size=self.settings.micro_batch_size,
             packing=False,
         )
         for t, s in zip(trajs, scores, strict=True):
@@ -36,19 +36,19 @@ class RewardStage:
         """The trajectory's reward, stop-penalised when truncated, plus the overlong penalty on the
         policy's own tokens of one turn, as ``max_new_tokens`` limits them: a multi-turn episode's
         longest turn (its ``max_turn_tokens`` log; environment tokens and other turns excluded)."""
-        algo = self.cfg.algo
+        s = self.settings
         reward = float(t.reward)
-        if algo.stop_penalty is not None:
+        if s.stop_penalty is not None:
             truncated = torch.tensor([t.truncated])
-            reward = float(stop_penalty(torch.tensor([reward]), truncated, coef=algo.stop_penalty)[0])
-        if algo.overlong.buffer_length:
+            reward = float(stop_penalty(torch.tensor([reward]), truncated, coef=s.stop_penalty)[0])
+        if s.overlong_buffer:
             generated = torch.tensor([t.extra_logs.get("max_turn_tokens", sum(t.action_mask))])
             reward += float(
                 overlong_penalty(
                     generated,
-                    max_length=self.cfg.rollout.max_new_tokens,
-                    buffer_length=algo.overlong.buffer_length,
-                    penalty_factor=algo.overlong.penalty_factor,
+                    max_length=s.max_new_tokens,
+                    buffer_length=s.overlong_buffer,
+                    penalty_factor=s.overlong_penalty_factor,
                 )[0]
             )
         return reward

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 from rlhf_algos import dynamic_filter
-from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample
 from rlhf_cli.data.prompts import PromptCursor, PromptSet
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
+from rlhf_cli.ppo.settings import RolloutSettings
 from rlhf_rollout import AgentExecutorBase, SamplingParams, Trajectory, oldest_version
 
 __all__ = ["RolloutBatch", "RolloutStage"]
@@ -65,34 +65,32 @@ class RolloutStage:
 
     def __init__(
         self,
-        cfg: PPOConfig,
+        settings: RolloutSettings,
         *,
         make_executor: Callable[[SamplingParams], AgentExecutorBase],
         prompts: PromptSet,
         rewards: RewardStage,
     ) -> None:
-        self.cfg, self.make_executor, self.prompts, self.rewards = cfg, make_executor, prompts, rewards
-
-    def params(self, step: int, round_: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens,
-            n=r.n_samples_per_prompt,
-            seed=self.cfg.train.seed + 100_003 * step + 7_919 * round_,
-            seed_per_sample=r.seed_per_sample,
-            logprobs=r.logprobs,
+        self.settings, self.make_executor, self.prompts, self.rewards = (
+            settings,
+            make_executor,
+            prompts,
+            rewards,
         )
 
+    def params(self, step: int, round_: int) -> SamplingParams:
+        """The sampling of one engine call: its seed derived from the run's, the step and the round."""
+        seed = self.settings.seed + 100_003 * step + 7_919 * round_
+        return dataclasses.replace(self.settings.sampling, seed=seed)
+
     def produce(self, step: int, *, weight_version: int) -> RolloutBatch:
-        n, want = self.cfg.rollout.n_samples_per_prompt, self.cfg.rollout.batch_size
-        df = self.cfg.algo.dynamic_filtering
+        df = self.settings
+        n, want = df.sampling.n, df.batch_size
         kept: list[list[Trajectory]] = []
         dropped: list[list[Trajectory]] = []
         t_gen = t_reward = 0.0
         rounds = 0
-        for rounds in range(1, (df.max_rounds if df.enable else 1) + 1):
+        for rounds in range(1, df.filter_rounds + 1):
             prompts, labels = self.prompts.next_batch(want - len(kept))
             t0 = time.perf_counter()
             trajs = self.make_executor(self.params(step, rounds)).run(prompts, labels=labels)
@@ -101,9 +99,9 @@ class RolloutStage:
             t_gen, t_reward = t_gen + t1 - t0, t_reward + time.perf_counter() - t1
             groups = [trajs[i * n : (i + 1) * n] for i in range(len(prompts))]
             keep = [True] * len(groups)
-            if df.enable:
+            if df.filtering:
                 scores = torch.tensor([[t.score for t in g] for g in groups])
-                keep = dynamic_filter(scores, low=df.low, high=df.high).tolist()
+                keep = dynamic_filter(scores, low=df.filter_low, high=df.filter_high).tolist()
             kept += [g for g, k in zip(groups, keep, strict=True) if k]
             dropped += [g for g, k in zip(groups, keep, strict=True) if not k]
             if len(kept) >= want:
@@ -117,7 +115,7 @@ class RolloutStage:
             cursor=dataclasses.replace(self.prompts.cursor),
             generation_s=t_gen,
             reward_s=t_reward,
-            filter_rounds=rounds if df.enable else None,
+            filter_rounds=rounds if df.filtering else None,
             refilled=filled,
             extra_logs=extra_log_means(trajs),
         )

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from rlhf_cli.config import PPOConfig
 from rlhf_cli.data.batches import Sample, policy_rows, value_batch
+from rlhf_cli.ppo.settings import UpdateSettings
 from rlhf_cli.runtime.learners.late_reference import PendingScores, Placement
 from rlhf_cli.runtime.learners.protocols import PolicyGroup, ScoringGroup, ValueGroup
-from rlhf_cli.runtime.learners.specs import PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.learners.specs import ValueLossSettings
 from rlhf_cli.runtime.runs.failures import naming_nonfinite
 from rlhf_learner import PolicyBatch, StepResult, balance_micro_batches
 
-__all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "policy_settings", "update"]
+__all__ = ["Updates", "mean_result", "micro_batches", "mini_batches", "update"]
 
 B = TypeVar("B")
 
@@ -106,27 +106,8 @@ def micro_batches(
     return out
 
 
-def policy_settings(cfg: PPOConfig, *, kl_coef: float) -> PolicyLossSettings:
-    a = cfg.algo
-    return PolicyLossSettings(
-        clip_eps_low=a.clip.eps_low,
-        clip_eps_high=a.clip.eps_high,
-        dual_clip=a.clip.dual_clip,
-        ratio_type=a.clip.ratio_type,
-        entropy_coef=a.entropy_coef,
-        loss_agg=a.loss_agg,
-        horizon=cfg.rollout.max_new_tokens,
-        kl_estimator=a.kl.estimator,
-        kl_loss_coef=kl_coef if (a.kl.enabled and a.kl.use_loss) else 0.0,
-        is_correction=a.is_correction.mode,
-        is_low=a.is_correction.low,
-        is_high=a.is_correction.high,
-        aux_loss_coef=cfg.actor.aux_loss_coef,
-    )
-
-
 def update_policy(
-    cfg: PPOConfig,
+    settings: UpdateSettings,
     samples: Sequence[Sample],
     actor: PolicyGroup,
     *,
@@ -137,58 +118,55 @@ def update_policy(
     """One optimizer step of the actor on ``samples`` (a mini-batch). ``reference``: the reference forward
     still running, whose results the actor's ranks fetch (the samples have no ``ref_logp``); ``index``
     maps ``id(sample)`` to the sample's position in what it scores."""
-    settings = policy_settings(cfg, kl_coef=kl_coef)
-    with_ref = settings.kl_loss_coef > 0
-    gap_here = cfg.rollout.logprobs and samples[0].old_logp is None  # the engines' gap, measured here
-    with_rollout = settings.is_correction != "none" or gap_here
+    loss, b = settings.policy(kl_coef), settings.batching
+    with_ref = loss.kl_loss_coef > 0
+    gap_here = settings.engine_logprobs and samples[0].old_logp is None  # the engines' gap, measured here
+    with_rollout = loss.is_correction != "none" or gap_here
     late = with_ref and reference is not None
 
     def build(part: list[Sample]) -> tuple[PolicyBatch, list[Placement]]:
         batch, rows = policy_rows(
-            part, packing=cfg.train.packing, with_ref=with_ref and not late, with_rollout=with_rollout
+            part, packing=b.packing, with_ref=with_ref and not late, with_rollout=with_rollout
         )
         return batch, ([(index[id(s)], *p) for s, p in zip(part, rows, strict=True)] if late else [])
 
-    built = micro_batches(
-        samples,
-        actor,
-        micro_batch_size=cfg.train.micro_batch_size,
-        dynamic=cfg.train.dynamic_batch,
-        build=build,
-    )
+    built = micro_batches(samples, actor, micro_batch_size=b.micro_batch_size, dynamic=b.dynamic, build=build)
     batches = [[b for b, _ in mbs] for mbs in built]
     if not late:
-        return actor.train_policy(batches, settings=settings)
+        return actor.train_policy(batches, settings=loss)
     assert reference is not None
     per_rank = [reference.for_rank([p for _, p in mbs]) for mbs in built]
-    return actor.train_policy(batches, settings=settings, reference=(reference, per_rank))
+    return actor.train_policy(batches, settings=loss, reference=(reference, per_rank))
 
 
-def update_critic(cfg: PPOConfig, samples: Sequence[Sample], critic: ValueGroup) -> StepResult:
+def update_critic(settings: UpdateSettings, samples: Sequence[Sample], critic: ValueGroup) -> StepResult:
     """One optimizer step of the critic on ``samples`` (a mini-batch)."""
+    b = settings.batching
     batches = micro_batches(
         samples,
         critic,
-        micro_batch_size=cfg.train.micro_batch_size,
-        dynamic=cfg.train.dynamic_batch,
-        build=lambda part: value_batch(part, packing=cfg.train.packing),
+        micro_batch_size=b.micro_batch_size,
+        dynamic=b.dynamic,
+        build=lambda part: value_batch(part, packing=b.packing),
     )
-    return critic.train_value(batches, settings=ValueLossSettings(clip_eps=cfg.algo.clip.value_eps))
+    return critic.train_value(batches, settings=ValueLossSettings(clip_eps=settings.value_clip_eps))
 
 
-def mini_batches(cfg: PPOConfig, samples: Sequence[Sample], *, step: int, epoch: int) -> list[list[Sample]]:
+def mini_batches(
+    settings: UpdateSettings, samples: Sequence[Sample], *, step: int, epoch: int
+) -> list[list[Sample]]:
     """``samples`` cut into mini-batches of ``--train.batch_size`` after a shuffle seeded by the run's
     seed, the step and the pass (no shuffle when the whole batch is one mini-batch)."""
-    size = cfg.optimizer_batch_size
+    size = settings.mini_batch_size
     if size >= len(samples):
         return [list(samples)]
-    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1_009 + epoch)
+    g = torch.Generator().manual_seed(settings.seed * 1_000_003 + step * 1_009 + epoch)
     order = torch.randperm(len(samples), generator=g).tolist()
     return [[samples[i] for i in order[lo : lo + size]] for lo in range(0, len(samples), size)]
 
 
 def update(
-    cfg: PPOConfig,
+    settings: UpdateSettings,
     samples: Sequence[Sample],
     *,
     actor: PolicyGroup,
@@ -207,19 +185,21 @@ def update(
         )
     actor_results, critic_results, seconds = [], [], [0.0, 0.0]
     index = {id(s): i for i, s in enumerate(samples)}
-    for epoch in range(cfg.train.ppo_epochs):
-        for i, part in enumerate(mini_batches(cfg, samples, step=step, epoch=epoch)):
+    for epoch in range(settings.ppo_epochs):
+        for i, part in enumerate(mini_batches(settings, samples, step=step, epoch=epoch)):
             t0 = time.perf_counter()
             where = f"step {step}, epoch {epoch + 1}, mini-batch {i + 1}"
-            if not 0 < step <= cfg.train.freeze_actor_steps:  # frozen: the critic's warm-up
+            if not 0 < step <= settings.freeze_actor_steps:  # frozen: the critic's warm-up
                 with naming_nonfinite(f"{where}: actor"):
                     actor_results.append(
-                        update_policy(cfg, part, actor, kl_coef=kl_coef, reference=reference, index=index)
+                        update_policy(
+                            settings, part, actor, kl_coef=kl_coef, reference=reference, index=index
+                        )
                     )
             t1 = time.perf_counter()
             if critic is not None:
                 with naming_nonfinite(f"{where}: critic"):
-                    critic_results.append(update_critic(cfg, part, critic))
+                    critic_results.append(update_critic(settings, part, critic))
             seconds[0], seconds[1] = seconds[0] + t1 - t0, seconds[1] + time.perf_counter() - t1
     return Updates(
         actor=mean_result(actor_results) if actor_results else None,

@@ -4,6 +4,9 @@ A backend is a class built from :class:`~rlhf_learner.strategy.options.StrategyO
 itself under a name with :func:`register_training_backend` when its module is imported. Nothing outside
 a backend's own module compares backend names: callers ask :func:`make_strategy` for the class that
 ``options.backend`` names, and the options ask the class whether it can run them.
+
+A backend in another package reaches every process (Ray's learner workers too) through an entry point in
+the ``rlhf.training_backends`` group naming its module: a name not registered yet loads those modules.
 """
 
 from __future__ import annotations
@@ -114,6 +117,20 @@ B = TypeVar("B", bound=type)
 TRAINING_BACKENDS: dict[str, type] = {}
 """Backend name -> its strategy class (filled as the backends' modules are imported)."""
 
+PLUGIN_GROUP = "rlhf.training_backends"
+"""Entry-point group of installed packages' training backends (each names a module that registers one)."""
+
+
+def _load_plugins() -> None:
+    """Import every module the ``rlhf.training_backends`` entry points name (each registers its backend)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            ep.load()
+        except Exception as err:  # a broken plugin is named, not a traceback from deep inside
+            raise ValueError(f"training backend plugin {ep.name} ({ep.value}): {err}") from err
+
 
 def register_training_backend(name: str) -> Callable[[B], B]:
     """Class decorator: register a :class:`TrainingBackend` under ``name`` (a second one under the same
@@ -130,7 +147,10 @@ def register_training_backend(name: str) -> Callable[[B], B]:
 
 
 def training_backend(name: str) -> type:
-    """The class registered as ``name``; a one-line ValueError listing the known ones otherwise."""
+    """The class registered as ``name`` (installed plugins loaded first when it is not registered yet); a
+    one-line ValueError listing the known ones otherwise."""
+    if name not in TRAINING_BACKENDS:
+        _load_plugins()
     try:
         return TRAINING_BACKENDS[name]
     except KeyError:

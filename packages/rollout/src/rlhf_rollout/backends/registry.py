@@ -1,4 +1,7 @@
-"""The rollout-backend seam: a backend's capabilities, settings, memory estimate, and the registry."""
+"""The rollout-backend seam: a backend's capabilities, settings, memory estimate, and the registry.
+
+A backend in another package reaches every process through an entry point in the ``rlhf.rollout_backends``
+group naming its module (which registers the backend when imported): a name not registered yet loads them."""
 
 from __future__ import annotations
 
@@ -136,6 +139,20 @@ class RolloutBackend:
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {}
 """Backend name -> its backend (filled as the backends' modules are imported)."""
 
+PLUGIN_GROUP = "rlhf.rollout_backends"
+"""Entry-point group of installed packages' rollout backends."""
+
+
+def _load_plugins() -> None:
+    """Import the modules that installed packages name under ``rlhf.rollout_backends``."""
+    from importlib.metadata import entry_points
+
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        try:
+            plugin.load()
+        except Exception as err:
+            raise ValueError(f"rollout backend plugin {plugin.name} ({plugin.value}): {err}") from err
+
 
 def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
     """Add ``backend`` under its name (a second one under a taken name is refused); returns it."""
@@ -148,7 +165,10 @@ def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
 
 
 def rollout_backend(name: str) -> RolloutBackend:
-    """The backend registered as ``name``; a one-line ValueError listing the known ones otherwise."""
+    """The backend registered as ``name`` (installed plugins loaded first when it is not registered yet); a
+    one-line ValueError listing the known ones otherwise."""
+    if name not in ROLLOUT_BACKENDS:
+        _load_plugins()
     try:
         return ROLLOUT_BACKENDS[name]
     except KeyError:
