@@ -258,11 +258,13 @@ class LearnerWorker:
             named, gather = list(state.items()), None
         else:
             named, gather = list(hf.named_parameters()), self.strategy.gather
+        # in the compute dtype: an fsdp2 group keeps fp32 shards under bf16 mixed precision (half the bytes)
+        wire = torch.bfloat16 if self.strategy.options.precision == "bf16" else None
         if self.rank != 0:
             if gather is not None:
-                gather_along(named, gather=gather, bucket_bytes=self.bucket_bytes)
+                gather_along(named, gather=gather, bucket_bytes=self.bucket_bytes, dtype=wire)
             return None
-        return self.sender.send(named, gather=gather, version=version)
+        return self.sender.send(named, gather=gather, version=version, dtype=wire)
 
     def offload_states(self) -> str:
         """The engine's states to host memory while colocated rollout engines use the GPU (or why not)."""
