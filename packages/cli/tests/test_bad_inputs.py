@@ -513,7 +513,7 @@ def _ppo_reward(tmp_path: Path, func: Path):
         (None, "--reward.func: reward function file '{path}' does not exist"),
         (
             "def reward_func(q, p, l)\n    return q\n",
-            "--reward.func: importing reward function file '{path}' failed",
+            "--reward.func: reward function file {path}:1:25: expected ':': def reward_func(q, p, l)",
         ),
         ("reward_func = 3\n", "--reward.func: 'reward_func' in '{path}' is not callable"),
     ],

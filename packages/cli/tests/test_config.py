@@ -300,6 +300,11 @@ def test_an_estimator_registered_by_a_plugin_passes_validation(tmp_path, registr
         build_config(PPOConfig, ["--algo.advantage.estimator", "no_such"])
     with pytest.raises(ConfigError, match=r"--algo.advantage.plugin: .*missing.py' does not exist"):
         build_config(PPOConfig, ["--algo.advantage.plugin", str(tmp_path / "missing.py")])
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\nif x\n")
+    with pytest.raises(ConfigError) as err:
+        build_config(PPOConfig, ["--algo.advantage.plugin", str(broken)])
+    assert str(err.value) == f"--algo.advantage.plugin: estimator plugin {broken}:2:5: expected ':': if x"
 
 
 def test_a_third_rollout_backend_registered_elsewhere_is_planned_with_no_change_here():

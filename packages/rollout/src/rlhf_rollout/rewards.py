@@ -95,6 +95,10 @@ def import_python_file(path: str | Path, *, what: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as err:  # where, as an editor reads it, and the line itself
+        text = (err.text or "").strip()
+        where = f"{err.filename or path}:{err.lineno}:{err.offset}"
+        raise RuntimeError(f"{what} {where}: {err.msg}" + (f": {text}" if text else "")) from None
     except Exception as err:
         raise RuntimeError(f"importing {what} {str(path)!r} failed: {err!r}") from err
     return module

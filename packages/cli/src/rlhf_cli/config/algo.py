@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from rlhf_algos import ADVANTAGE_ESTIMATORS, ISCorrection, KLEstimator, LossAggregation, RatioType
+from rlhf_rollout.rewards import import_python_file
 
 from rlhf_cli.config._base import Section
 
@@ -32,14 +32,10 @@ def load_estimator_plugin(path: Path) -> None:
         return
     if not path.is_file():
         raise ValueError(f"{str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{str(path)!r} cannot be imported as Python")
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ValueError(f"running {str(path)!r} failed: {err!r}") from None
+        module = import_python_file(path, what="estimator plugin")
+    except RuntimeError as err:  # a validator's errors are ValueErrors
+        raise ValueError(str(err)) from None
     sys.modules[name] = module
 
 

@@ -210,12 +210,25 @@ class Tracker:
         return [(r["step"], r[key]) for r in self.history if key in r]
 
     def plot(self) -> Path:
+        """The curves of the run as a PNG beside its logs."""
+        import matplotlib.pyplot as plt
+
+        fig = self.curve_figure()
+        out = self.run_dir / self.display.curve_file
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def curve_figure(self) -> Any:
+        """The figure ``plot`` saves: each curve of the display against whole steps."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         fig, ax = plt.subplots(figsize=(7, 4))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no 1.25 on a short run's axis
         for key, (label, style) in self.display.curves.items():
             pts = self.series(key)
             if pts:
@@ -224,11 +237,8 @@ class Tracker:
         ax.set_title(f"rlhf {self.display.name}")
         ax.grid(alpha=0.3)
         ax.legend()
-        out = self.run_dir / self.display.curve_file
         fig.tight_layout()
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        return out
+        return fig
 
     def summary(self) -> str:
         from rich.console import Console
