@@ -435,3 +435,15 @@ def test_a_rollout_backend_installed_as_a_plugin_is_a_valid_backend(tmp_path, mo
     finally:
         ROLLOUT_BACKENDS.pop("plugged", None)
         sys.modules.pop("plugged_engines", None)
+
+
+def test_names_from_the_papers_and_other_frameworks_are_read_or_answered():
+    names = {"grpo": "group_norm", "reinforce++": "reinforce", "REINFORCE++-baseline": "reinforce_baseline"}
+    for typed, registered in names.items():
+        assert (
+            build_config(PPOConfig, ["--algo.advantage.estimator", typed]).algo.advantage.estimator
+            == registered
+        )
+    assert error_line(run_cli("--actor.learning_rate", "1e-6")) == (
+        "error: unknown flag --actor.learning_rate; did you mean --actor.lr?"
+    )

@@ -39,6 +39,18 @@ def load_estimator_plugin(path: Path) -> None:
     sys.modules[name] = module
 
 
+ESTIMATOR_ALIASES = {
+    "grpo": "group_norm",
+    "ppo": "gae",
+    "reinforce++": "reinforce",
+    "reinforce++-baseline": "reinforce_baseline",
+    "reinforce_plus_plus": "reinforce",
+    "dr-grpo": "dr_grpo",
+}
+"""Names users type from the papers and other frameworks -> the registered estimator (a registered name
+wins: a plugin may take one of these)."""
+
+
 class AdvantageConfig(Section):
     plugin: Path | None = None
     """A Python file that registers estimators (rlhf_algos.register_estimator), run once before the
@@ -46,7 +58,7 @@ class AdvantageConfig(Section):
     estimator: str = "group_norm"
     """A name in rlhf-algos' estimator registry (`rlhf estimators` lists them): gae (needs the critic),
     reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo, or one --algo.advantage.plugin
-    registers."""
+    registers. The papers' names are read too: grpo, reinforce++, reinforce++-baseline, ppo (gae)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount factor."""
     lam: float = Field(0.95, ge=0, le=1)
@@ -64,6 +76,8 @@ class AdvantageConfig(Section):
     @field_validator("estimator")
     @classmethod
     def _registered(cls, name: str) -> str:
+        if name not in ADVANTAGE_ESTIMATORS:
+            name = ESTIMATOR_ALIASES.get(name.lower(), name)
         if name not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"{name!r} is not a registered estimator; registered: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"

@@ -169,9 +169,18 @@ def _near(a: str, b: str) -> bool:
     return difflib.SequenceMatcher(None, a.translate(squash), b.translate(squash)).ratio() >= 0.85
 
 
+_SYNONYMS = {"learning_rate": "lr", "learning_rate_scheduler": "lr_scheduler", "lr_schedule": "lr_scheduler"}
+"""A key's other names, tried before the closest spelling (``--actor.learning_rate`` is ``--actor.lr``,
+not ``--actor.lr_warmup_ratio``)."""
+
+
 def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
     """The closest valid key (difflib) that shares a word with ``path`` or nearly all its letters
     (``--log.eval_steps`` is not ``--algo.clip.value_eps``), else one with ``path``'s last segment."""
+    head, _, leaf = path.rpartition(".")
+    synonym = f"{head}.{_SYNONYMS[leaf]}" if head and leaf in _SYNONYMS else None
+    if synonym in valid:
+        return f"; did you mean {dash}{synonym}?"
     close = difflib.get_close_matches(path, valid, n=5, cutoff=0.6)
     close = [c for c in close if _words(path) & _words(c) or _near(path, c)][:1]
     if not close:
