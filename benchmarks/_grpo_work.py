@@ -97,4 +97,5 @@ def ppo_flags(model: Path, prompts: Path, reward: Path, run_dir: Path, steps: in
         ),
         *("--train.num_steps", str(steps), "--train.micro_batch_size", "32", "--eval.every", "0"),
         *("--logger.progress", "false", "--logger.tensorboard", "false", "--logger.run_dir", str(run_dir)),
+        *("--logger.overwrite", "--rollout.max_model_len", "512"),
     ]

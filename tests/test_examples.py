@@ -1,5 +1,6 @@
 """The examples in examples/ run as they are: rlhf-algos alone, rlhf-weightsync from a plain PyTorch
-loop and from a transformers Trainer into a running rollout engine (each in its own process)."""
+loop and from a transformers Trainer into a running rollout engine, a multi-turn environment playing a
+scripted episode (each in its own process)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
         ("algos_only.py", "policy loss"),
         ("weightsync_plain_torch.py", "engine holds version 3"),
         ("weightsync_hf_trainer.py", "versions loaded by the engine: [1, 2, 3, 4]"),
+        ("multi_turn_env.py", "episode reward: 0.33"),
     ],
 )
 def test_example_runs(script, expect, tmp_path):

@@ -182,7 +182,7 @@ GOOD_SFT = {"prompt": "max 3 7 =", "response": "7"}
             [{"prompt": "a", "chosen": "b"}],
             "{path}, line 1: no 'rejected' key (--data.rejected_key)",
         ),
-        ("pairs", [{"chosen": "b", "rejected": "c"}], "{path}, line 1: no 'prompt' key (--data.prompt_key)"),
+        ("pairs", [{"chosen": "b", "rejected": "c"}], "{path}, line 1: no 'prompt' key (--data.input_key)"),
         ("kto", [{"prompt": "a", "completion": "b"}], "{path}, line 1: no 'label' key (--data.label_key)"),
         ("kto", ["", " "], "--data.path: '{path}' holds no usable examples"),
     ],
@@ -516,8 +516,13 @@ def _ppo_reward(tmp_path: Path, func: Path):
             "--reward.func: reward function file {path}:1:25: expected ':': def reward_func(q, p, l)",
         ),
         ("reward_func = 3\n", "--reward.func: 'reward_func' in '{path}' is not callable"),
+        (
+            "def reward_func(queries):\n    return queries\n",
+            "--reward.func: reward_func in '{path}' is def reward_func(queries): it is called as "
+            "reward_func(queries, prompts, labels) (too many positional arguments)",
+        ),
     ],
-    ids=["missing-file", "syntax-error", "not-callable"],
+    ids=["missing-file", "syntax-error", "not-callable", "wrong-signature"],
 )
 def test_reward_files_that_cannot_be_loaded_are_named(tmp_path, body, expected):
     path = tmp_path / "reward.py"
@@ -543,7 +548,7 @@ def test_a_call_seed_is_refused_for_an_agent_files_overlapping_episodes(tmp_path
 
     refused = f"--rollout.seed_per_sample false seeds each engine call, but {tmp_path / 'agent.py'}"
     for body in (
-        "def make_env(label):\n    return None\n",
+        "def make_env():\n    return None\n",
         "async def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n",
     ):
         with pytest.raises(ValueError) as err:

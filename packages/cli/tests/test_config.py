@@ -447,3 +447,158 @@ def test_names_from_the_papers_and_other_frameworks_are_read_or_answered():
     assert error_line(run_cli("--actor.learning_rate", "1e-6")) == (
         "error: unknown flag --actor.learning_rate; did you mean --actor.lr?"
     )
+
+
+def test_an_unset_micro_batch_takes_the_largest_that_fits_and_a_set_one_is_checked(tmp_path):
+    from rlhf_cli.config import SFTConfig
+
+    small = [
+        "--actor.pretrain",
+        str(tmp_path),
+        "--rollout.batch_size",
+        "4",
+        "--rollout.n_samples_per_prompt",
+        "2",
+    ]
+    assert build_config(PPOConfig, small).train.micro_batch_size == 8
+    odd = [
+        "--actor.pretrain",
+        str(tmp_path),
+        "--rollout.batch_size",
+        "3",
+        "--rollout.n_samples_per_prompt",
+        "8",
+    ]
+    assert build_config(PPOConfig, odd).train.micro_batch_size == 12  # 24 samples: up to the default 16
+    assert build_config(SFTConfig, ["--train.batch_size", "6"]).train.micro_batch_size == 6
+    with pytest.raises(ConfigError, match=r"^--train.micro_batch_size 16 does not divide the 8 samples"):
+        build_config(PPOConfig, [*small, "--train.micro_batch_size", "16"])
+    printed = yaml.safe_load(dump_yaml(build_config(PPOConfig, small)))
+    assert printed["train"]["micro_batch_size"] == 8  # --print-config shows the value the run uses
+
+
+def test_an_offline_run_says_which_limit_ends_it():
+    from rlhf_cli.config import SFTConfig
+    from rlhf_cli.offline.trainer import length_note, total_steps
+
+    cfg = build_config(SFTConfig, ["--train.num_steps", "5", "--train.batch_size", "16"])
+    assert total_steps(cfg, 40) == 3
+    assert (
+        length_note(cfg, 40)
+        == "3 steps: 1 epoch(s) of 40 examples in batches of 16, before --train.num_steps 5"
+    )
+    cfg = build_config(SFTConfig, ["--train.num_steps", "2", "--train.batch_size", "16"])
+    assert length_note(cfg, 40) == (
+        "2 steps: --train.num_steps 2 ends the run before 1 epoch(s) of 40 examples in batches of 16 (3 steps)"
+    )
+
+
+def test_a_folder_holding_a_previous_run_is_refused_unless_resumed_or_replaced(tmp_path):
+    from rlhf_cli.runtime.runs.run import claim_run_dir
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "final_model").mkdir()
+    (tmp_path / "reward_curve.png").write_bytes(b"png")
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    assert error_line(run_cli("--logger.run_dir", str(tmp_path))) == (
+        f"error: --logger.run_dir {tmp_path} holds a previous run (metrics.jsonl, final_model): resume it "
+        "with --ckpt.load_enable, replace it with --logger.overwrite, or pick another folder"
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
+    claim_run_dir(tmp_path, resuming=True, overwrite=False)  # resuming continues it
+    assert (tmp_path / "final_model").is_dir()
+    claim_run_dir(tmp_path, resuming=False, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    claim_run_dir(tmp_path, resuming=False, overwrite=False)  # an empty or unrelated folder is fine
+
+
+def test_dry_run_reads_the_inputs_as_the_run_would(tmp_path, demo_model_dir):
+    prompts, func = tmp_path / "p.jsonl", tmp_path / "r.py"
+    prompts.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": "4"}\n')
+    func.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    model = ["--actor.pretrain", str(demo_model_dir), "--dry-run", "--ray.num_cpus", "2"]
+    missing = tmp_path / "missing.jsonl"
+    assert error_line(run_cli(*model, "--data.path", str(missing), "--reward.func", str(func))) == (
+        f"error: --data.path: '{missing}' does not exist"
+    )
+    assert error_line(
+        run_cli(*model, "--data.path", str(prompts), "--reward.func", str(tmp_path / "no.py"))
+    ) == (f"error: --reward.func: reward function file '{tmp_path / 'no.py'}' does not exist")
+    line = error_line(
+        run_cli(*model, "--data.path", str(prompts), "--reward.func", str(func), "--data.input_key", "q")
+    )
+    assert line == f"error: {prompts}, line 1: no 'q' key (--data.input_key); keys: ['input', 'label']"
+    ok = run_cli(*model, "--data.path", str(prompts), "--reward.func", str(func))
+    assert ok.exit_code == 0 and "inputs: 2 training prompts read; the reward source loaded" in ok.output
+    sft = tmp_path / "s.jsonl"
+    sft.write_text('{"prompt": "a", "response": "b"}\n')
+    run = CliRunner().invoke(app, ["sft", "--data.path", str(sft), "--data.input_key", "q", "--dry-run"])
+    assert (
+        error_line(run)
+        == f"error: {sft}, line 1: no 'q' key (--data.input_key); keys: ['prompt', 'response']"
+    )
+    run = CliRunner().invoke(app, ["sft", "--data.path", str(sft), "--dry-run", "--ray.num_cpus", "2"])
+    assert run.exit_code == 0 and f"inputs: --data.path {sft}: 1 examples read" in run.output
+
+
+def test_help_starts_with_the_common_flags_and_never_splits_a_flag():
+    out = run_cli("--help").output
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("common flags"))
+    first_section = next(i for i, line in enumerate(lines) if line.startswith("--actor.*"))
+    assert start < first_section
+    common = "\n".join(lines[start:first_section])
+    for flag in (
+        "--actor.pretrain",
+        "--data.path",
+        "--reward.func",
+        "--train.num_steps",
+        "--learner.backend",
+    ):
+        assert flag in common
+    assert "``" not in out
+    from rlhf_cli.config.loading import iter_fields
+
+    flags = {f"--{f.path}" for f in iter_fields(PPOConfig)}
+    cells = [line.split("│")[1].strip() for line in lines if line.startswith("│ --")]
+    assert "--actor.model.gradient_checkpointing" in cells  # the longest flags print whole, on one line
+    assert set(cells) <= flags
+
+
+def test_the_offline_commands_take_ppos_names_and_still_read_their_old_ones():
+    from rlhf_cli.config import SFTConfig
+
+    new = build_config(SFTConfig, ["--train.num_steps", "5", "--data.input_key", "q"])
+    old = build_config(SFTConfig, ["--train.max_steps", "5", "--data.prompt_key", "q"])
+    assert (new.train.num_steps, new.data.input_key) == (old.train.num_steps, old.data.input_key) == (5, "q")
+    assert build_config(SFTConfig).data.input_key == "prompt"  # each command's own default key
+    assert build_config(PPOConfig).data.input_key == "input"
+
+
+def test_a_real_model_gets_real_model_defaults_where_the_user_set_none(tmp_path):
+    from rlhf_cli.config.ppo import REAL_MODEL_DEFAULTS
+
+    real = build_config(PPOConfig, ["--actor.pretrain", str(tmp_path)])
+    got = {
+        path: getattr(getattr(real, path.split(".")[0]), path.split(".")[1]) for path in REAL_MODEL_DEFAULTS
+    }
+    assert (
+        got
+        == REAL_MODEL_DEFAULTS
+        == {
+            "actor.lr": 1e-6,
+            "critic.lr": 9e-6,
+            "rollout.max_new_tokens": 1024,
+            "rollout.max_model_len": 2048,
+        }
+    )
+    assert not real.warmup_runs
+    mine = build_config(
+        PPOConfig, ["--actor.pretrain", str(tmp_path), "--actor.lr", "3e-6", "--rollout.max_new_tokens", "64"]
+    )
+    assert (mine.actor.lr, mine.rollout.max_new_tokens, mine.rollout.max_model_len) == (3e-6, 64, 2048)
+    demo = build_config(PPOConfig)
+    assert (demo.actor.lr, demo.rollout.max_new_tokens) == (2e-3, 8)  # the tiny demo keeps its own
+    printed = yaml.safe_load(dump_yaml(real))
+    assert printed["actor"]["lr"] == 1e-6 and printed["rollout"]["max_new_tokens"] == 1024
+    assert yaml.safe_load(CliRunner().invoke(app, ["sft", "--print-config"]).output)["model"]["lr"] == 1e-3

@@ -68,7 +68,7 @@ def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data,
         *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "4",
         "--eval.every",
         "3",
@@ -97,7 +97,7 @@ def test_ipo_and_cdpo_losses_differ_from_dpo(ray_cluster, demo_model_dir, data, 
         *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "1",
         "--eval.every",
         "0",
@@ -161,7 +161,7 @@ def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, d
         *on(demo_model_dir, data / "kto.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "6",
         "--eval.every",
         "5",
@@ -181,7 +181,7 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
         *on(demo_model_dir, data / "sft.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "3",
         "--eval.every",
         "0",
@@ -263,7 +263,7 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
         *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "3",
         "--eval.every",
         "0",
@@ -307,7 +307,7 @@ def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model
     """--learner.sequence_parallel_size 2 (ring attention over gloo: each rank holds half of every sequence)
     and --learner.tensor_parallel_size 2 (DeepSpeed AutoTP: each rank holds half of each split matrix) on two
     ranks train exactly what one rank trains on the same batches."""
-    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "2"]
+    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.num_steps", "2"]
     flags += ["--eval.every", "2", "--eval.max_samples", "6"]  # forwards on the blocks too
     one = run(SFTConfig, "sft", tmp_path / "one", *flags)
     sp = run(SFTConfig, "sft", tmp_path / "sp", *flags, "--model.num_devices_per_node", "2",
@@ -328,7 +328,7 @@ def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model
 def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, data, tmp_path):
     """Same seed and data, fp32: ``--learner.backend fsdp2`` gives DeepSpeed's losses, SFT on one rank (ZeRO-0
     there) and DPO on two ranks (policy and reference sharded: ZeRO-3 against full sharding)."""
-    sft = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
+    sft = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.num_steps", "3"]
     ds = rows(run(SFTConfig, "sft", tmp_path / "sft_ds", *sft).run_dir)
     fsdp2 = run(SFTConfig, "sft", tmp_path / "sft_fsdp2", *sft, "--learner.backend", "fsdp2")
     got = rows(fsdp2.run_dir)
@@ -341,7 +341,7 @@ def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, 
         *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "2",
     ]
     dpo += ["--eval.every", "0", "--learner.zero_stage", "3"]
@@ -359,7 +359,7 @@ def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(
     """An fsdp2 SFT run on two ranks checkpointed every step; resumed from step 1 on two ranks it ends on
     the uninterrupted run's weights bit for bit; on one rank (the checkpoint resharded), within fp32's
     reduction-order noise."""
-    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.max_steps", "3"]
+    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.num_steps", "3"]
     flags += [
         "--learner.backend",
         "fsdp2",
@@ -398,7 +398,7 @@ def test_fsdp2_lora_on_two_ranks_exports_its_adapter_and_merged_model(
     gives the function of the merged export."""
     result = run(
         SFTConfig, "sft", tmp_path / "lora", *on(demo_model_dir, data / "sft.jsonl"),
-        "--train.batch_size", "8", "--train.max_steps", "2", "--train.micro_batch_size", "4",
+        "--train.batch_size", "8", "--train.num_steps", "2", "--train.micro_batch_size", "4",
         "--eval.every", "0", "--lora.rank", "4", "--lora.alpha", "8", "--model.lr", "0.01",
         "--learner.backend", "fsdp2", "--model.num_devices_per_node", "2",
     )  # fmt: skip

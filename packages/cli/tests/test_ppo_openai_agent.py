@@ -132,6 +132,15 @@ def test_agent_errors_and_timeouts_name_the_file_and_the_sample():
             "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n",
             "defines run_agent and reward_func: define one",
         ),
+        (
+            "def make_env(label):\n    return None\n",
+            r"is def make_env\(label\): it is called as make_env\(\)",
+        ),
+        (
+            "def reward_func(queries, prompts):\n    return [0.0] * len(queries)\n",
+            r"reward_func in '.*bad.py' is def reward_func\(queries, prompts\): it is called as "
+            r"reward_func\(queries, prompts, labels\)",
+        ),
     ],
 )
 def test_a_bad_agent_file_is_a_one_line_error(tmp_path, source, message):

@@ -40,6 +40,10 @@ BASE = [
     "false",
     "--rollout.max_model_len",
     "256",
+    "--actor.lr",  # the demo's rates, also with --actor.pretrain (whose defaults suit real models)
+    "2e-3",
+    "--critic.lr",
+    "1e-3",
 ]
 
 
@@ -141,7 +145,7 @@ def _reward_model_folder(base: Path, out: Path) -> Path:
         "1e-3",
         "--train.batch_size",
         "16",
-        "--train.max_steps",
+        "--train.num_steps",
         "2",
     ]
     flags += ["--eval.every", "0", "--logger.progress", "false", "--logger.run_dir", str(out)]
@@ -295,11 +299,8 @@ def test_a_reference_overlapping_the_update_gives_the_run_of_one_scored_first(
 
 
 def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
-    agent = tmp_path / "agent.py"
-    agent.write_text(
-        "from rlhf_rollout.envs import NumberGuessEnv\n\n"
-        "def make_env():\n    return NumberGuessEnv(invalid_reward=-0.1)\n"
-    )
+    """The agent file is examples/multi_turn_env.py, as a user would pass it."""
+    agent = Path(__file__).resolve().parents[3] / "examples" / "multi_turn_env.py"
     data = tmp_path / "prompts.jsonl"
     data.write_text(
         "".join(json.dumps({"input": f"guess a number {i}", "label": i % 10}) + "\n" for i in range(8))
@@ -322,6 +323,7 @@ def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
     )
     rows = check_run(result)
     assert rows[0]["rollout/response_length"] > 0
+    assert all(1 <= r["extra/tries"] <= 2 for r in rows)  # the environment's extra_logs, --train.max_turns 2
 
 
 def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine, monkeypatch):

@@ -48,7 +48,7 @@ def _check_merged_folder(final: Path, base: Path) -> None:
 
 def test_qlora_sft_writes_a_merged_final_model_and_the_adapter(tmp_path):
     run = tmp_path / "run"
-    _run([str(BIN / "rlhf"), "sft", "--lora.rank", "8", "--lora.load_in_4bit", "--train.max_steps", "2",
+    _run([str(BIN / "rlhf"), "sft", "--lora.rank", "8", "--lora.load_in_4bit", "--train.num_steps", "2",
           *QUIET, "--logger.run_dir", str(run)])  # fmt: skip
     adapter = run / "final_adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()

@@ -118,3 +118,45 @@ def test_a_short_runs_curve_has_whole_step_ticks(tmp_path):
     ticks = [t for t in tracker.curve_figure().axes[0].get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
     assert tracker.plot().is_file()
+
+
+def test_ctrl_c_says_after_which_step_and_how_to_resume(monkeypatch, tmp_path, capsys):
+    import ray
+    from rlhf_cli.config import build_config
+
+    monkeypatch.setattr(_session, "start_ray", lambda cfg: (ClusterResources(cpus=2, gpus=0, nodes=1), True))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    cfg = build_config(SFTConfig, ["--logger.run_dir", str(tmp_path)])
+    step = tmp_path / "checkpoints" / "step_000006"
+    step.mkdir(parents=True)
+    (step / "run_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest").write_text(step.name)
+    with pytest.raises(KeyboardInterrupt), run_session(cfg) as session:
+        session.tracker = _tracker(tmp_path)
+        for s in (5, 6, 7):
+            session.tracker.log(s, {"train/loss": 1.0})
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted after step 7; rerun with --ckpt.load_enable to resume from {step}"
+    )
+
+
+def test_progress_off_a_terminal_is_a_plain_line_per_step_and_best_has_a_direction(tmp_path, capsys):
+    from rlhf_cli.runtime.runs.tracking import PPO_DISPLAY
+
+    tracker = Tracker(
+        tmp_path, tensorboard=False, wandb_project=None, progress=True, total_steps=3, config={}
+    )
+    assert tracker.display is PPO_DISPLAY
+    for step, (reward, kl, loss) in enumerate([(0.1, 0.01, 0.9), (0.6, 0.05, 0.4), (0.4, 0.03, 0.7)], 1):
+        tracker.log(
+            step, {"rollout/reward_mean": reward, "policy/kl": kl, "actor/loss": loss, "time/step": 2.0}
+        )
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ppo step")]
+    assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert "reward 0.600" in lines[1] and lines[1].endswith("s]")
+    cells = [[c.strip() for c in line.split("│") if c.strip()] for line in tracker.close().splitlines()]
+    rows = {c[0]: c[1:] for c in cells if len(c) == 4}
+    assert rows["rollout/reward_mean"][-1] == "0.6000"  # higher is better
+    assert rows["actor/loss"][-1] == "0.4000"  # lower is better
+    assert rows["policy/kl"][-1] == "-"  # neither: no best

@@ -984,3 +984,22 @@ def test_sampled_evaluation_counts_passing_answers_and_prompts_with_one():
     # an agent's episode gave prompt 0 four trajectories: prompts are counted, not positions
     got = pass_metrics([0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0, 0, 0, 0, 1, 1], several=True, threshold=1.0)
     assert got["eval/pass_at_n"] == 1 / 2
+
+
+def test_a_step_whose_groups_all_got_one_reward_is_counted_and_warned_of_once(capsys):
+    cfg = cfg_of(
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.micro_batch_size", "2"
+    )
+    flat, mixed = [[0, 0], [1, 1], [0, 0], [1, 1]], [[0, 1], [1, 1], [0, 0], [1, 1]]
+    ex = ScriptedExecutors([flat, mixed, flat])
+    rewards = RewardStage(RewardSettings.of(cfg), reward_model=None)
+    stage = RolloutStage(RolloutSettings.of(cfg), make_executor=ex, prompts=prompt_set(), rewards=rewards)
+    fracs = [
+        stage.produce(step, weight_version=1).metrics()["rollout/uniform_reward_groups_frac"]
+        for step in (1, 2, 3)
+    ]
+    assert fracs == [1.0, 0.75, 1.0]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: step 1: each prompt's samples all got the same"
+    )

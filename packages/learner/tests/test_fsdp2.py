@@ -156,3 +156,18 @@ def test_a_training_backend_installed_as_a_plugin_is_found_in_any_process(tmp_pa
         ValueError, match=r"^training backend plugin broken \(no_such_module\): No module named"
     ):
         StrategyOptions(backend="other")
+
+
+def test_deepspeeds_cpu_fallback_notice_is_dropped_and_its_other_warnings_kept():
+    import subprocess
+    import sys
+
+    probe = (
+        "import rlhf_learner.strategy, deepspeed\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "from deepspeed.utils import logger\n"
+        "get_accelerator(); logger.warning('another DeepSpeed warning')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Setting accelerator to CPU" not in out.stderr and "another DeepSpeed warning" in out.stderr

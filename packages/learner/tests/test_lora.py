@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from rlhf_algos import sft_loss
@@ -221,3 +223,33 @@ def test_4bit_merge_adds_the_delta_to_dequantized_weights_and_exports(tiny_model
         expect = plain(ids).logits
         got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
     torch.testing.assert_close(got, expect, atol=3e-2 * expect.abs().max().item(), rtol=0)
+
+
+def test_an_adapter_is_merged_only_into_the_weights_it_was_trained_on(tiny_model_dir, tmp_path):
+    """The adapter's folder records its base's weights fingerprint: a copy of the base elsewhere merges, a
+    checkpoint of the same architecture with other weights is refused in one line (``force`` merges)."""
+    import shutil
+
+    from rlhf_learner.lora import BASE_FINGERPRINT, check_adapter_matches
+
+    adapter = save_adapter(
+        apply_lora(load_causal_lm(tiny_model_dir), LoraOptions(rank=4)), tmp_path / "adapter"
+    )
+    assert (adapter / BASE_FINGERPRINT).is_file()
+    moved = Path(shutil.copytree(tiny_model_dir, tmp_path / "moved"))
+    check_adapter_matches(moved, adapter)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        next(p for p in other.parameters() if p.dim() == 2).mul_(1.01)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(
+        ValueError, match=r"^adapter '.*adapter' was trained on '.*', whose weights are not"
+    ) as err:
+        merge_adapter(tmp_path / "other", adapter, tmp_path / "out")
+    assert "--force" in str(err.value) and not (tmp_path / "out").exists()
+    assert merge_adapter(tmp_path / "other", adapter, tmp_path / "out", force=True).is_dir()
+    # an adapter saved by peft alone: its recorded base folder is compared instead
+    (adapter / BASE_FINGERPRINT).unlink()
+    with pytest.raises(ValueError, match="whose weights are not"):
+        check_adapter_matches(tmp_path / "other", adapter)
+    check_adapter_matches(moved, adapter)

@@ -282,12 +282,12 @@ def lora_merge(ctx: typer.Context) -> None:
     def execute(cfg: Any) -> str:
         from rlhf_learner import merge_adapter
 
-        return f"wrote {merge_adapter(cfg.base, cfg.adapter, cfg.out)}"
+        return f"wrote {merge_adapter(cfg.base, cfg.adapter, cfg.out, force=cfg.force)}"
 
     def dry_run(cfg: Any) -> str:
         from rlhf_learner.lora import check_adapter_matches
 
-        check_adapter_matches(cfg.base, cfg.adapter)
+        check_adapter_matches(cfg.base, cfg.adapter, force=cfg.force)
         return f"the adapter {cfg.adapter} matches {cfg.base}; would write {cfg.out}"
 
     _config_command(ctx, LoraMergeConfig, execute=execute, dry_run=dry_run)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_learner.strategy.export import quiet_progress_bars
+
 __all__ = [
     "LoraOptions",
     "apply_lora",
@@ -74,26 +76,83 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     return get_peft_model(model, config)
 
 
+BASE_FINGERPRINT = "base_fingerprint.txt"
+"""Beside an adapter: the fingerprint of the base weights it was trained on (``weights_fingerprint``)."""
+
+
 def save_adapter(peft_model: nn.Module, directory: str | Path, *, state_dict: dict | None = None) -> Path:
-    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) only. ``state_dict``:
-    the model's full weights, gathered (a sharded model's own parameters hold shards), whose adapter
-    entries peft picks."""
+    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) only, and the base
+    folder's ``weights_fingerprint`` beside it. ``state_dict``: the model's full weights, gathered (a
+    sharded model's own parameters hold shards), whose adapter entries peft picks."""
     peft_model.save_pretrained(str(directory), state_dict=state_dict)
+    base = _recorded_base(Path(directory))
+    if base is not None and base.is_dir():
+        (Path(directory) / BASE_FINGERPRINT).write_text(weights_fingerprint(base) + "\n")
     return Path(directory)
 
 
-def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
+def weights_fingerprint(model_dir: str | Path, *, sample_bytes: int = 1 << 16) -> str:
+    """A hash of a Hugging Face folder's safetensors files: each one's header (names, dtypes, shapes) and
+    ``sample_bytes`` from the start, middle and end of its data. Two checkpoints of one architecture
+    differ in it; reading it costs a few reads per file, whatever the model's size."""
+    import hashlib
+    import struct
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with file.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(n))
+            size = file.stat().st_size - 8 - n
+            for at in sorted({0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}):
+                f.seek(8 + n + at)
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()
+
+
+def _recorded_base(adapter_dir: Path) -> Path | None:
+    """The base folder ``adapter_config.json`` names (``base_model_name_or_path``), if it names one."""
+    import json
+
+    name = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return Path(name) if name else None
+
+
+def check_trained_base(base_dir: Path, adapter_dir: Path) -> None:
+    """Raise a one-line ValueError when the adapter was trained on other weights than ``base_dir``'s: its
+    saved fingerprint, else its recorded base folder's, differs from ``base_dir``'s (nothing recorded, or
+    a recorded folder that is gone: nothing to compare, accepted)."""
+    saved = adapter_dir / BASE_FINGERPRINT
+    recorded = _recorded_base(adapter_dir)
+    if saved.is_file():
+        expected = saved.read_text().strip()
+    elif recorded is not None and recorded.is_dir() and recorded.resolve() != base_dir.resolve():
+        expected = weights_fingerprint(recorded)
+    else:
+        return
+    if weights_fingerprint(base_dir) != expected:
+        raise ValueError(
+            f"adapter {str(adapter_dir)!r} was trained on {str(recorded)!r}, whose weights are not those of "
+            f"{str(base_dir)!r}: merge it into the base it was trained on (--force merges anyway)"
+        )
+
+
+def merge_adapter(
+    base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, *, force: bool = False
+) -> Path:
     """Load the base folder, apply the adapter, merge ``W + (alpha/r) B A`` into the weights and save
-    a plain Hugging Face folder (with the base's tokenizer when it has one)."""
+    a plain Hugging Face folder (with the base's tokenizer when it has one). ``force``: merge into a base
+    whose weights are not those the adapter was trained on."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_adapter_matches(base_dir, adapter_dir)
+    check_adapter_matches(base_dir, adapter_dir, force=force)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # merge in fp32
     saved_dtype = _config_dtype(base_dir)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged = merged.to(saved_dtype)  # written in the base folder's dtype (a bf16 base stays bf16)
-    merged.save_pretrained(str(out_dir), safe_serialization=True)
+    with quiet_progress_bars():  # one line from the CLI says where it went
+        merged.save_pretrained(str(out_dir), safe_serialization=True)
     with contextlib.suppress(OSError, ValueError):  # a base folder without a tokenizer is fine
         AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
     return Path(out_dir)
@@ -109,10 +168,11 @@ def _config_dtype(model_dir: str | Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path) -> None:
+def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path, *, force: bool = False) -> None:
     """Raise a one-line ValueError unless every adapted module of ``adapter_dir`` exists in the base
     model of ``base_dir`` with the shapes the adapter was trained on (read from the configs and the
-    adapter file; the base's weights are not loaded)."""
+    adapter file; the base's weights are not loaded) and, unless ``force``, the base's weights are
+    those it was trained on (``check_trained_base``)."""
     import json
 
     from safetensors import safe_open
@@ -132,6 +192,8 @@ def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path) -> None
     peft_type = json.loads((adapter_dir / "adapter_config.json").read_text()).get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"adapter {str(adapter_dir)!r} is a {peft_type} adapter, not LoRA")
+    if not force:
+        check_trained_base(base_dir, adapter_dir)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_dir)))
     modules = dict(base.named_modules())

@@ -21,6 +21,7 @@ __all__ = [
     "RewardFunction",
     "RewardResult",
     "RewardSource",
+    "check_call",
     "import_python_file",
     "load_reward_func",
     "normalize_reward_output",
@@ -115,6 +116,21 @@ def load_reward_func(path: str | Path) -> Callable[..., Any]:
     return func
 
 
+def check_call(func: Callable[..., Any], name: str, call: str, n_args: int, kwargs: dict[str, Any]) -> None:
+    """Refuse, when it is loaded, user code that cannot take the call it will get: ``n_args`` positional
+    arguments and ``kwargs`` (``call`` says how it is called, for the one-line error)."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return
+    try:
+        signature.bind(*([None] * n_args), **kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"{name} is def {getattr(func, '__name__', 'func')}{signature}: it is called as {call} ({err})"
+        ) from None
+
+
 class RewardFunction:
     """``reward_func(queries, prompts, labels, **kwargs)`` (sync or async) as a reward source.
 
@@ -138,6 +154,7 @@ class RewardFunction:
         self.name = name or getattr(func, "__qualname__", repr(func))
         self.kwargs = dict(kwargs or {})
         self.timeout_s = timeout_s
+        check_call(func, self.name, "reward_func(queries, prompts, labels)", 3, self.kwargs)
 
     @classmethod
     def from_file(

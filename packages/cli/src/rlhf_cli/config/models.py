@@ -75,7 +75,7 @@ class ActorConfig(TrainedGroup):
     pretrain: str | None = None
     """Hugging Face folder of the policy; unset: the built-in demo (a tiny model built offline)."""
     lr: float = Field(2e-3, gt=0)
-    """Actor learning rate (the built-in tiny model wants a large one; around 1e-6 suits real LLMs)."""
+    """Actor learning rate; unset with --actor.pretrain: 1e-6 (the default here suits the demo's tiny model)."""
     model: ModelOptions = Field(default_factory=ModelOptions)
     """How the transformers model is built (attention kernel, gradient checkpointing, dtype)."""
     lora: LoraOptions | None = None
@@ -91,7 +91,7 @@ class CriticConfig(TrainedGroup):
     pretrain: str | None = None
     """Folder the critic starts from (a causal LM gets a fresh value head); unset: the actor's."""
     lr: float = Field(1e-3, gt=0)
-    """Critic learning rate."""
+    """Critic learning rate; unset with --actor.pretrain: 9e-6."""
     model: ModelOptions = Field(default_factory=ModelOptions)
     """How the critic's transformers model is built."""
 

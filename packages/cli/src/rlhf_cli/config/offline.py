@@ -21,6 +21,7 @@ from rlhf_cli.config.run import (
     check_learner_fields,
     check_split,
     data_parallel_size,
+    fitting_micro_batch,
 )
 
 __all__ = [
@@ -57,8 +58,8 @@ class PreferenceRefConfig(RefConfig):
 class ExampleData(Section):
     path: Path | None = None
     """A JSONL file or a local datasets folder; unset: the built-in task's examples."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt (text, or chat messages)."""
+    input_key: str = "prompt"
+    """Field holding the prompt (text, or chat messages), as in rlhf ppo (old name: --data.prompt_key)."""
     apply_chat_template: bool = False
     """Render text prompts with the tokenizer's chat template."""
     max_len: int = Field(512, ge=2)
@@ -93,12 +94,14 @@ class KTOData(ExampleData):
 class OfflineTrain(Section):
     num_epochs: int = Field(1, ge=1)
     """Passes over the training examples."""
-    max_steps: int | None = Field(None, ge=1)
-    """Stop after this many optimizer steps (e.g. a short trial run); unset: num_epochs passes."""
+    num_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (e.g. a short trial run), as in rlhf ppo; unset: num_epochs
+    passes (old name: --train.max_steps)."""
     batch_size: int = Field(32, ge=1)
     """Examples (pairs for rm and dpo) per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = Field(8, ge=1)
-    """Examples per forward/backward on each rank (the rest is gradient accumulation)."""
+    """Examples per forward/backward on each rank (the rest is gradient accumulation). Unset: the largest
+    size up to 8 that splits each rank's share of --train.batch_size evenly."""
     seed: int = 42
     """Seed of data order, held-out split and model initialisation."""
 
@@ -160,6 +163,18 @@ class OfflineConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     command: ClassVar[str] = "offline"
+    common_flags: ClassVar[tuple[str, ...]] = (
+        "model.pretrain",
+        "data.path",
+        "model.lr",
+        "train.batch_size",
+        "train.num_epochs",
+        "train.num_steps",
+        "learner.backend",
+        "logger.run_dir",
+        "ckpt.load_enable",
+    )
+    """What most runs set: ``--help`` shows them first."""
     pretrained_lr: ClassVar[float] = 5e-6
     """Default learning rate when --model.pretrain is given (a real model)."""
 
@@ -180,6 +195,13 @@ class OfflineConfig(Section):
     @model_validator(mode="after")
     def _shared_checks(self) -> OfflineConfig:
         check_learner_fields(self.learner, {"lr": "--model.lr"})
+        if self.model.lr is None:  # the value the run uses, in --print-config and the run's config too
+            self.model = self.model.model_copy(update={"lr": self.learning_rate})
+        if "micro_batch_size" not in self.train.model_fields_set:  # the largest that fits, up to the default
+            shard = self.train.batch_size // data_parallel_size(self.model.world_size, self.learner)
+            train = self.train.model_copy()
+            train.micro_batch_size = fitting_micro_batch([shard], train.micro_batch_size)
+            self.train = train
         model = "model (--model.num_nodes x --model.num_devices_per_node)"
         check_split(
             self.train.batch_size,
@@ -327,6 +349,9 @@ class LoraMergeConfig(Section):
     """The adapter folder (adapter_config.json + adapter weights), e.g. an SFT run's final_adapter."""
     out: Path | None = None
     """Folder to write the merged model and the base's tokenizer to."""
+    force: bool = False
+    """Merge even into a base whose weights are not those the adapter was trained on (its recorded base
+    folder or saved fingerprint says which)."""
     command: ClassVar[str] = "lora-merge"
 
     @model_validator(mode="after")

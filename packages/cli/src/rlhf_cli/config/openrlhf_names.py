@@ -102,7 +102,7 @@ OPENRLHF_FLAGS: dict[str, tuple[str, ...]] = {
     # data
     "prompt_data": ("data.path",),
     "dataset": ("data.path",),
-    "input_key": ("data.input_key", "data.prompt_key"),
+    "input_key": ("data.input_key",),
     "output_key": ("data.response_key",),
     "chosen_key": ("data.chosen_key",),
     "rejected_key": ("data.rejected_key",),

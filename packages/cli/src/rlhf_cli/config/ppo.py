@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 from pydantic import Field, model_validator
@@ -24,15 +23,43 @@ from rlhf_cli.config.run import (
     check_learner_fields,
     check_split,
     data_parallel_size,
+    fitting_micro_batch,
 )
 
 __all__ = ["PPOConfig"]
+
+
+REAL_MODEL_DEFAULTS = {
+    "actor.lr": 1e-6,
+    "critic.lr": 9e-6,
+    "rollout.max_new_tokens": 1024,
+    "rollout.max_model_len": 2048,
+}
+"""What an unset setting takes once --actor.pretrain names a model (OpenRLHF's defaults); the defaults
+``--help`` shows fit the built-in demo's tiny model."""
 
 
 class PPOConfig(Section):
     """``rlhf ppo``: PPO-family RL on Ray with rollout engines, learner groups and weight sync."""
 
     command: ClassVar[str] = "ppo"
+    common_flags: ClassVar[tuple[str, ...]] = (
+        "actor.pretrain",
+        "data.path",
+        "reward.func",
+        "reward.remote_url",
+        "algo.advantage.estimator",
+        "rollout.batch_size",
+        "rollout.n_samples_per_prompt",
+        "rollout.max_new_tokens",
+        "actor.lr",
+        "train.num_steps",
+        "rollout.num_engines",
+        "learner.backend",
+        "logger.run_dir",
+        "ckpt.load_enable",
+    )
+    """What most runs set: ``--help`` shows them first."""
 
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -153,6 +180,18 @@ class PPOConfig(Section):
         )
 
     @model_validator(mode="after")
+    def _real_model_defaults(self) -> PPOConfig:
+        """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS``."""
+        if self.actor.pretrain is None:
+            return self
+        for path, value in REAL_MODEL_DEFAULTS.items():
+            name, key = path.split(".")
+            section = getattr(self, name)
+            if key not in section.model_fields_set:
+                setattr(self, name, section.model_copy(update={key: value}))
+        return self
+
+    @model_validator(mode="after")
     def _algorithm(self) -> PPOConfig:
         """The estimator, filters, corrections and penalties agree with the sampling settings."""
         est = ADVANTAGE_ESTIMATORS[self.algo.advantage.estimator]
@@ -229,11 +268,11 @@ class PPOConfig(Section):
         default: one micro-batch per rank, see ``TrainConfig.micro_batch_size``)."""
         check_learner_fields(self.learner, {"lr": "--actor.lr / --critic.lr"})
         demo = self.builtin_task and self.actor.pretrain is None
-        if demo and "micro_batch_size" not in self.train.model_fields_set:
+        if "micro_batch_size" not in self.train.model_fields_set:
             worlds = [self.actor.world_size] + ([self.critic.world_size] if self.uses_critic else [])
             shards = [self.optimizer_batch_size // data_parallel_size(w, self.learner) for w in worlds]
             train = self.train.model_copy()  # a TrainConfig passed in stays as it was
-            train.micro_batch_size = max(1, math.gcd(*shards))
+            train.micro_batch_size = fitting_micro_batch(shards, None if demo else train.micro_batch_size)
             self.train = train
         b = self.train.batch_size
         if b is not None and self.samples_per_step % b:

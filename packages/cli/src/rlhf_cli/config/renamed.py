@@ -18,10 +18,13 @@ _ENGINE_SETTINGS = (
 RENAMED: dict[str, str] = {
     "ds": "learner",
     "train.backend": "learner.backend",
+    "train.max_steps": "train.num_steps",
+    "data.prompt_key": "data.input_key",
     **{f"vllm.{k}": f"rollout.{k}" for k in _ENGINE_SETTINGS},
 }
 """Old name (a section or a key) -> the name it has now. ``--learner.*`` became ``--learner.*`` when training
-backends other than DeepSpeed arrived; the engine settings every rollout backend has left ``--vllm.*``."""
+backends other than DeepSpeed arrived; the engine settings every rollout backend has left ``--vllm.*``;
+the offline commands took rlhf ppo's names for the run's length and the prompt's key."""
 
 
 def current_name(path: str, known: Collection[str] = ()) -> str:

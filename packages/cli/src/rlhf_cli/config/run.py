@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,7 @@ __all__ = [
     "check_learner_fields",
     "check_split",
     "data_parallel_size",
+    "fitting_micro_batch",
 ]
 
 LEARNER_FIELDS_SET_ELSEWHERE = {
@@ -44,6 +46,13 @@ def check_learner_fields(strategy: StrategyOptions, overrides: dict[str, str]) -
     for f in fields(StrategyOptions):
         if f.name in where and getattr(strategy, f.name) != getattr(default, f.name):
             raise ValueError(f"--learner.{f.name}: set it with {where[f.name]}")
+
+
+def fitting_micro_batch(shards: list[int], cap: int | None) -> int:
+    """The largest micro-batch, up to ``cap`` (None: no cap), that splits every rank's shard evenly: what
+    an unset ``--train.micro_batch_size`` takes (a set one is checked, never changed)."""
+    whole = max(1, math.gcd(*shards))
+    return max(d for d in range(1, min(whole, cap or whole) + 1) if whole % d == 0)
 
 
 def data_parallel_size(world: int, strategy: StrategyOptions) -> int:
@@ -104,8 +113,9 @@ class TrainConfig(Section):
     num_steps: int = Field(60, ge=1)
     """Training steps (one rollout batch and its updates each)."""
     micro_batch_size: int = Field(16, ge=1)
-    """Samples per micro-batch on each data-parallel rank. Unset in the built-in demo (no model, data or
-    reward given): a rank's whole mini-batch, one micro-batch (its tiny model's step then costs half)."""
+    """Samples per micro-batch on each data-parallel rank. Unset: the largest size up to 16 that splits
+    every rank's mini-batch evenly; in the built-in demo (no model, data or reward given) a rank's whole
+    mini-batch, one micro-batch (its tiny model's step then costs half)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     freeze_actor_steps: int = Field(0, ge=0)
@@ -243,13 +253,17 @@ class ExportConfig(Section):
 
 class LoggerConfig(Section):
     run_dir: Path = Path("runs/ppo")
-    """Run folder: metrics.jsonl, TensorBoard logs, curves, checkpoints and the final model."""
+    """Run folder: metrics.jsonl, TensorBoard logs, curves, checkpoints and the final model. A folder that
+    holds a previous run is refused unless --ckpt.load_enable resumes it or --logger.overwrite replaces it."""
+    overwrite: bool = False
+    """Replace the previous run in --logger.run_dir (its metrics, curves, checkpoints and final model are
+    deleted first); without it such a folder is refused."""
     tensorboard: bool = True
     """Write TensorBoard event files to run_dir/tensorboard."""
     wandb_project: str | None = None
     """Also log to this Weights & Biases project (needs the rlhf-cli[wandb] extra)."""
     progress: bool = True
-    """Show a live progress display."""
+    """Show progress: a live display on a terminal, a plain line per step otherwise (a log file, nohup, SLURM)."""
 
 
 class RayConfig(Section):

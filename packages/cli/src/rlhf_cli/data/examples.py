@@ -198,7 +198,7 @@ def _keep(items: Iterable[tuple[E, int]], path: Path, flag: str, limits: Limits)
 
 def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.path") -> list[Example]:
     """SFT examples; ``data`` names the keys (``--data.*``)."""
-    prompt_key, response_key, messages_key = data.prompt_key, data.response_key, data.messages_key
+    prompt_key, response_key, messages_key = data.input_key, data.response_key, data.messages_key
     apply_chat_template, train_on_prompt = data.apply_chat_template, data.train_on_prompt
 
     def examples() -> Iterator[tuple[Example, int]]:
@@ -212,7 +212,7 @@ def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.p
                         None, msgs, tokenizer, apply_chat_template=True, train_on_prompt=train_on_prompt
                     )
                 else:
-                    prompt = _get(row, prompt_key, "--data.prompt_key", src)
+                    prompt = _get(row, prompt_key, "--data.input_key", src)
                     response = _get(row, response_key, "--data.response_key", src)
                     ex = encode_example(
                         prompt,
@@ -232,7 +232,7 @@ def load_pairs(
     path: Path, tokenizer: Any, data: PairData, *, flag: str = "--data.path"
 ) -> list[PreferencePair]:
     """Preference pairs; ``data`` names the keys (``--data.*``)."""
-    prompt_key, chosen_key, rejected_key = data.prompt_key, data.chosen_key, data.rejected_key
+    prompt_key, chosen_key, rejected_key = data.input_key, data.chosen_key, data.rejected_key
     apply_chat_template = data.apply_chat_template
 
     def pairs() -> Iterator[tuple[PreferencePair, int]]:
@@ -241,7 +241,7 @@ def load_pairs(
             rejected = _get(row, rejected_key, "--data.rejected_key", src)
             prompt = row.get(prompt_key)
             if prompt is None and not _messages(chosen):
-                raise src.fail(f"no {prompt_key!r} key (--data.prompt_key); keys: {sorted(row)}")
+                raise src.fail(f"no {prompt_key!r} key (--data.input_key); keys: {sorted(row)}")
             try:
                 pair = PreferencePair(
                     chosen=encode_example(prompt, chosen, tokenizer, apply_chat_template=apply_chat_template),
@@ -261,11 +261,11 @@ def load_kto(
 ) -> list[KTOExample]:
     """KTO examples, each with its mismatched partner (:func:`mismatched_partners`); ``data`` names the
     keys (``--data.*``)."""
-    prompt_key, completion_key, label_key = data.prompt_key, data.completion_key, data.label_key
+    prompt_key, completion_key, label_key = data.input_key, data.completion_key, data.label_key
     apply_chat_template, limits = data.apply_chat_template, _limits(data)
     rows: list[tuple[Any, Any, bool]] = []
     for src, row in _rows(path, flag):
-        prompt = _get(row, prompt_key, "--data.prompt_key", src)
+        prompt = _get(row, prompt_key, "--data.input_key", src)
         completion = _get(row, completion_key, "--data.completion_key", src)
         label = _get(row, label_key, "--data.label_key", src)
         if not isinstance(label, bool):

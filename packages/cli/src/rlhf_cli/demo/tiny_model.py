@@ -143,6 +143,9 @@ def build_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.save_pretrained(path, safe_serialization=True)
+    from rlhf_learner.strategy.export import quiet_progress_bars
+
+    with quiet_progress_bars():  # a shard-writing bar for a model that takes no time to write
+        model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

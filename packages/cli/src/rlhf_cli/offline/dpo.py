@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rlhf_algos import dpo_loss
 from rlhf_cli.config import DPOConfig
@@ -86,8 +88,13 @@ class DPOObjective(ReferenceObjective[PreferencePair]):
         }
 
 
+def _loader(cfg: DPOConfig) -> Callable[[Path, Any, str], list]:
+    """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
+    return lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag)
+
+
 def plan(cfg: DPOConfig) -> Plan:
-    return offline_plan(cfg, with_ref=True)
+    return offline_plan(cfg, with_ref=True, load=_loader(cfg))
 
 
 def run(cfg: DPOConfig) -> OfflineResult:
@@ -95,7 +102,7 @@ def run(cfg: DPOConfig) -> OfflineResult:
         cfg,
         role="actor",
         builtin="preferences",
-        load=lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag),
+        load=_loader(cfg),
         make_objective=lambda groups: DPOObjective(cfg, groups),
         with_ref=True,
     )

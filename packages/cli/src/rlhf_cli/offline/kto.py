@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from rlhf_algos import kto_kl_baseline, kto_loss
@@ -87,8 +89,13 @@ class KTOObjective(ReferenceObjective[KTOExample]):
         }
 
 
+def _loader(cfg: KTOConfig) -> Callable[[Path, Any, str], list]:
+    """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
+    return lambda path, tokenizer, flag: load_kto(path, tokenizer, cfg.data, seed=cfg.train.seed, flag=flag)
+
+
 def plan(cfg: KTOConfig) -> Plan:
-    return offline_plan(cfg, with_ref=True)
+    return offline_plan(cfg, with_ref=True, load=_loader(cfg))
 
 
 def run(cfg: KTOConfig) -> OfflineResult:
@@ -96,9 +103,7 @@ def run(cfg: KTOConfig) -> OfflineResult:
         cfg,
         role="actor",
         builtin="kto",
-        load=lambda path, tokenizer, flag: load_kto(
-            path, tokenizer, cfg.data, seed=cfg.train.seed, flag=flag
-        ),
+        load=_loader(cfg),
         make_objective=lambda groups: KTOObjective(cfg, groups),
         with_ref=True,
     )

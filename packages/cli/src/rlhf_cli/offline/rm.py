@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from rlhf_cli.config import RMConfig
@@ -78,8 +80,13 @@ class RMObjective:
         self.groups.model.set_reward_normalization(mean=float(scores.mean()), std=std if std > 1e-6 else 1.0)
 
 
+def _loader(cfg: RMConfig) -> Callable[[Path, Any, str], list]:
+    """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
+    return lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag)
+
+
 def plan(cfg: RMConfig) -> Plan:
-    return offline_plan(cfg, with_ref=False)
+    return offline_plan(cfg, with_ref=False, load=_loader(cfg))
 
 
 def run(cfg: RMConfig) -> OfflineResult:
@@ -87,7 +94,7 @@ def run(cfg: RMConfig) -> OfflineResult:
         cfg,
         role="reward",
         builtin="preferences",
-        load=lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag),
+        load=_loader(cfg),
         make_objective=lambda groups: RMObjective(cfg, groups),
         with_ref=False,
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rlhf_cli.config import SFTConfig
 from rlhf_cli.data.batches import sft_batch_from_examples
@@ -58,8 +60,13 @@ class SFTObjective:
         pass
 
 
+def _loader(cfg: SFTConfig) -> Callable[[Path, Any, str], list]:
+    """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
+    return lambda path, tokenizer, flag: load_sft(path, tokenizer, cfg.data, flag=flag)
+
+
 def plan(cfg: SFTConfig) -> Plan:
-    return offline_plan(cfg, with_ref=False)
+    return offline_plan(cfg, with_ref=False, load=_loader(cfg))
 
 
 def run(cfg: SFTConfig) -> OfflineResult:
@@ -67,7 +74,7 @@ def run(cfg: SFTConfig) -> OfflineResult:
         cfg,
         role="actor",
         builtin="sft",
-        load=lambda path, tokenizer, flag: load_sft(path, tokenizer, cfg.data, flag=flag),
+        load=_loader(cfg),
         make_objective=lambda groups: SFTObjective(cfg, groups),
         with_ref=False,
     )

@@ -5,6 +5,8 @@ checkpoint) -> clean-up (export). What differs per command is an :class:`Objecti
 from __future__ import annotations
 
 import functools
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from rlhf_cli.runtime.plan.model_sizes import ModelSizes
 from rlhf_cli.runtime.plan.placement import Plan, make_offline_plan
 from rlhf_cli.runtime.runs.checkpoint import RunState, resumable_changes, zero_partitioned
 from rlhf_cli.runtime.runs.failures import naming_nonfinite
-from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run, resolve_model
 from rlhf_cli.runtime.runs.tracking import Display
 
 __all__ = [
@@ -91,9 +93,29 @@ def _plan_for(cfg: OfflineConfig, with_ref: bool, resources: ClusterResources, s
     return make_offline_plan(cfg, resources, with_ref=with_ref, sizes=sizes)
 
 
-def offline_plan(cfg: OfflineConfig, *, with_ref: bool) -> Plan:
-    """The placement plan (``--dry-run``)."""
-    return dry_run_plan(cfg, cfg.model.pretrain, functools.partial(_plan_for, cfg, with_ref))
+def offline_plan(
+    cfg: OfflineConfig, *, with_ref: bool, load: Callable[[Path, Any, str], list] | None = None
+) -> Plan:
+    """``--dry-run``: the data files read as the run reads them (``load``), then the placement plan."""
+    notes = _check_data(cfg, load) if load is not None else []
+    found = dry_run_plan(cfg, cfg.model.pretrain, functools.partial(_plan_for, cfg, with_ref))
+    found.notes.extend(notes)
+    return found
+
+
+def _check_data(cfg: OfflineConfig, load: Callable[[Path, Any, str], list]) -> list[str]:
+    """Read ``--data.path`` and ``--eval.path`` (when given) with the model's tokenizer; what was read."""
+    from transformers import AutoTokenizer
+
+    given = [(p, f) for p, f in ((cfg.data.path, "--data.path"), (cfg.eval.path, "--eval.path")) if p]  # type: ignore[attr-defined]
+    if not given:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:  # the demo model, when no --model.pretrain is given
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model.pretrain, Path(tmp))))
+        return [
+            f"inputs: {flag} {path}: {len(load(Path(path), tokenizer, flag))} examples read"
+            for path, flag in given
+        ]
 
 
 def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Groups:
@@ -163,9 +185,22 @@ def load_examples(
 
 def total_steps(cfg: OfflineConfig, num_examples: int) -> int:
     """Steps for ``--train.num_epochs`` passes, rounded up (batches run on across epoch ends, so every
-    example is trained on), at most ``--train.max_steps``."""
+    example is trained on), at most ``--train.num_steps``."""
     steps = -(-cfg.train.num_epochs * num_examples // cfg.train.batch_size)
-    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+    return min(steps, cfg.train.num_steps) if cfg.train.num_steps else steps
+
+
+def length_note(cfg: OfflineConfig, num_examples: int) -> str:
+    """What ends the run, said at start-up: the epochs, or ``--train.num_steps`` before them."""
+    t = cfg.train
+    epochs = -(-t.num_epochs * num_examples // t.batch_size)
+    of = f"{t.num_epochs} epoch(s) of {num_examples} examples in batches of {t.batch_size}"
+    if t.num_steps and t.num_steps < epochs:
+        return (
+            f"{t.num_steps} steps: --train.num_steps {t.num_steps} ends the run before {of} ({epochs} steps)"
+        )
+    limit = f", before --train.num_steps {t.num_steps}" if t.num_steps else ""
+    return f"{epochs} steps: {of}{limit}"
 
 
 def _split(cfg: OfflineConfig, group: LearnerGroup, batch: list[E]) -> list[list[list[E]]]:
@@ -209,6 +244,7 @@ def run_command(
     )
     steps = total_steps(cfg, len(train_items))
     setup.check_resume(total_steps=steps, data_size=len(train_items))
+    print(f"rlhf {cfg.command}: {length_note(cfg, len(train_items))}", file=sys.stderr)
     with setup.start() as r:
         groups = _start_groups(cfg, r, role=role, steps=steps)
         layouts = {"model": groups.model.layouts()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from rlhf_cli.runtime.plan.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.plan.model_sizes import ModelSizes
 from rlhf_cli.runtime.plan.placement import Plan, make_plan
 from rlhf_cli.runtime.runs.checkpoint import RunState, resumable_changes
-from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run
+from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run, resolve_model
 from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
@@ -46,8 +47,23 @@ class PPOResult:
 
 
 def plan(cfg: PPOConfig) -> Plan:
-    """The placement plan (``--dry-run``)."""
-    return dry_run_plan(cfg, cfg.actor.pretrain, functools.partial(_plan_for, cfg))
+    """``--dry-run``: the inputs read as the run reads them before it starts (the data, the reward or
+    agent file), then the placement plan."""
+    notes = [] if cfg.builtin_task else _check_inputs(cfg)
+    found = dry_run_plan(cfg, cfg.actor.pretrain, functools.partial(_plan_for, cfg))
+    found.notes.extend(notes)
+    return found
+
+
+def _check_inputs(cfg: PPOConfig) -> list[str]:
+    """Read the prompts and load the user's code as ``run`` does (nothing starts); what was read."""
+    with tempfile.TemporaryDirectory() as tmp:  # the demo model, when no --actor.pretrain is given
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.actor.pretrain, Path(tmp))))
+        train_set, eval_set = load_prompts(cfg, tokenizer)  # says what it skipped
+        executor_factory(cfg, tokenizer=tokenizer).close()
+    read = [f"inputs: {len(train_set.token_ids)} training prompts"]
+    read += [f"{len(eval_set.token_ids)} evaluation prompts"] if eval_set else []
+    return [", ".join(read) + " read; the reward source loaded"]
 
 
 def _plan_for(cfg: PPOConfig, resources: ClusterResources, sizes: ModelSizes) -> Plan:

@@ -4,6 +4,7 @@ filtering with refill (DAPO) -> samples."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ class RolloutBatch:
     reference_s: float | None = None
     """Seconds of the reference forward when the producer ran it (asynchronous training), else None."""
 
+    def uniform_groups(self) -> tuple[int, int]:
+        """``(groups whose samples all got the same reward, groups of several samples)``: a group
+        estimator learns nothing from the former."""
+        rewards: dict[int, list[float]] = {}
+        for x in self.samples:
+            rewards.setdefault(x.prompt_index, []).append(x.reward)
+        several = [r for r in rewards.values() if len(r) > 1]
+        return sum(len(set(r)) == 1 for r in several), len(several)
+
     def metrics(self) -> dict[str, float]:
         s = self.samples
         out = {
@@ -50,6 +60,9 @@ class RolloutBatch:
             "time/generation": self.generation_s,
             "time/reward": self.reward_s,
         }
+        uniform, groups = self.uniform_groups()
+        if groups:
+            out["rollout/uniform_reward_groups_frac"] = uniform / groups
         if self.reference_s is not None:
             out["time/reference"] = self.reference_s
         if self.filter_rounds is not None:
@@ -71,12 +84,9 @@ class RolloutStage:
         prompts: PromptSet,
         rewards: RewardStage,
     ) -> None:
-        self.settings, self.make_executor, self.prompts, self.rewards = (
-            settings,
-            make_executor,
-            prompts,
-            rewards,
-        )
+        self.settings, self.make_executor = settings, make_executor
+        self.prompts, self.rewards = prompts, rewards
+        self._warned_uniform = False  # said once a run
 
     def params(self, step: int, round_: int) -> SamplingParams:
         """The sampling of one engine call: its seed derived from the run's, the step and the round."""
@@ -108,7 +118,7 @@ class RolloutStage:
                 break
         filled = max(0, want - len(kept))
         trajs = [t for g in (kept + dropped[:filled])[:want] for t in g]
-        return RolloutBatch(
+        batch = RolloutBatch(
             step=step,
             samples=[self._sample(t, i // n, weight_version) for i, t in enumerate(trajs)],
             weight_version=weight_version,
@@ -119,6 +129,20 @@ class RolloutStage:
             refilled=filled,
             extra_logs=extra_log_means(trajs),
         )
+        self._warn_if_uniform(batch)
+        return batch
+
+    def _warn_if_uniform(self, batch: RolloutBatch) -> None:
+        """Once a run: a step where no prompt's samples got different rewards (nothing to learn from)."""
+        uniform, groups = batch.uniform_groups()
+        if groups and uniform == groups and not self._warned_uniform:
+            self._warned_uniform = True
+            print(
+                f"warning: step {batch.step}: each prompt's samples all got the same reward (in every one of "
+                f"{groups} prompts): group estimators learn nothing from such a step; check the reward "
+                "(rollout/uniform_reward_groups_frac counts them each step)",
+                file=sys.stderr,
+            )
 
     def _sample(self, t: Trajectory, group: int, version: int) -> Sample:
         oldest = oldest_version(t.weight_versions)  # None: the engine labels no versions

@@ -30,7 +30,7 @@ from rlhf_rollout import (
     Trajectory,
 )
 from rlhf_rollout.executors.base import agenerate, check_prompt_lengths, engine_max_model_len
-from rlhf_rollout.rewards import import_python_file
+from rlhf_rollout.rewards import check_call, import_python_file
 from rlhf_rollout.types import Generation
 
 __all__ = ["AGENT_FUNC", "ExecutorFactory", "OpenAIAgentFactory", "executor_factory", "load_agent_file"]
@@ -60,6 +60,11 @@ def load_agent_file(path: Path) -> Any:
         raise ValueError(f"--train.agent_func_path: {str(path)!r} defines {' and '.join(found)}: define one")
     if AGENT_FUNC in found and not _agent_signature_fits(getattr(module, AGENT_FUNC)):
         raise ValueError(f"--train.agent_func_path: {AGENT_FUNC} in {str(path)!r} must be {_AGENT_SIGNATURE}")
+    if "make_env" in found:
+        try:
+            check_call(module.make_env, f"make_env in {str(path)!r}", "make_env()", 0, {})
+        except ValueError as err:
+            raise ValueError(f"--train.agent_func_path: {err}") from None
     return module
 
 
@@ -132,6 +137,13 @@ def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
     return factory
 
 
+def _agent_reward(agent: Any, path: Path, timeout_s: float | None) -> RewardFunction:
+    try:
+        return RewardFunction(agent.reward_func, name=f"reward_func in {str(path)!r}", timeout_s=timeout_s)
+    except ValueError as err:
+        raise ValueError(f"--train.agent_func_path: {err}") from None
+
+
 def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
     path = cfg.train.agent_func_path
     agent = load_agent_file(path) if path is not None else None
@@ -157,11 +169,7 @@ def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
             )
 
         return _PlainFactory(multi, per_episode=True)
-    reward = (
-        RewardFunction(agent.reward_func, name=f"reward_func in {path}", timeout_s=cfg.reward.func_timeout_s)
-        if agent
-        else _reward_source(cfg)
-    )
+    reward = _agent_reward(agent, path, cfg.reward.func_timeout_s) if agent else _reward_source(cfg)
 
     def single(engine: TokenGenerator, params: SamplingParams) -> AgentExecutorBase:
         return SingleTurnExecutor(engine=engine, params=params, tokenizer=tokenizer, reward=reward)

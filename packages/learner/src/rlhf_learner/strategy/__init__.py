@@ -2,6 +2,7 @@
 ``deepspeed`` (ZeRO) and ``fsdp2`` (torch ``fully_shard``) strategies with their gathers, checkpoints and
 export."""
 
+from rlhf_learner.strategy import _quiet  # noqa: F401 (drops a DeepSpeed notice; before its import)
 from rlhf_learner.strategy._base import set_seed, unwrap_hf_model
 from rlhf_learner.strategy.distributed import default_backend, free_port, init_distributed, reserve_port
 from rlhf_learner.strategy.fsdp2 import FSDP2Engine, FSDP2Strategy  # registers "fsdp2"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "check_max_shard_bytes",
+    "quiet_progress_bars",
     "save_safetensors_shards",
     "weights_dtype",
     "write_hf_folder",
@@ -21,6 +24,20 @@ __all__ = [
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 """5 GiB: models up to that size get one ``model.safetensors``."""
 INDEX_NAME = "model.safetensors.index.json"
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (e.g. "Writing model shards") off for the body, as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def check_max_shard_bytes(max_shard_bytes: int) -> None:

@@ -50,7 +50,6 @@ class RunState:
 
 RESUMABLE_CHANGES = (
     "train.num_steps",
-    "train.max_steps",
     "train.num_epochs",
     "ckpt.",
     "logger.",
@@ -85,7 +84,7 @@ def resumable_changes(
     """``RESUMABLE_CHANGES`` plus ``extra``, less the run's length when a learning-rate schedule spans it
     (a resumed run with another length would follow another curve from the checkpoint's step on), plus the
     groups' rank counts when the training ``backend`` reshards its checkpoints on load."""
-    length = ("train.num_steps", "train.max_steps", "train.num_epochs")
+    length = ("train.num_steps", "train.num_epochs")
     keep = tuple(k for k in RESUMABLE_CHANGES if not (lr_scheduled and k in length))
     reshards = training_backend(backend).reshards_checkpoints
     return (*keep, *extra, *(GROUP_SIZES if reshards else ()))

@@ -210,6 +210,31 @@ class RunSetup:
             )
 
 
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final_model")
+"""What a run leaves in its folder: any of them means the folder holds a run."""
+RUN_OUTPUTS = (*RUN_MARKERS, "final_adapter", "summary.txt", "tensorboard", "config.yaml")
+"""What ``--logger.overwrite`` deletes (the curves too: ``*_curve.png``); nothing else in the folder."""
+
+
+def claim_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool) -> None:
+    """Refuse a folder that holds a previous run (in one line naming what was found), unless the run
+    resumes it; with ``overwrite``, delete that run's outputs first."""
+    found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+    if not found or resuming:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"--logger.run_dir {run_dir} holds a previous run ({', '.join(found)}): resume it with "
+            "--ckpt.load_enable, replace it with --logger.overwrite, or pick another folder"
+        )
+    for path in [run_dir / name for name in RUN_OUTPUTS] + sorted(run_dir.glob("*_curve.png")):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    print(f"--logger.overwrite: replaced the previous run in {run_dir}", file=sys.stderr)
+
+
 def prepare_run(
     cfg: PPOConfig | OfflineConfig,
     *,
@@ -227,8 +252,10 @@ def prepare_run(
     if found is not None:
         check_resumable(found, cfg.model_dump(mode="json"), resumable=resumable)
         state = read_run_state(found)
+        print(f"--ckpt.load_enable: resuming from {found} (step {state.step})", file=sys.stderr)
     elif cfg.ckpt.load_enable:
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
+    claim_run_dir(run_dir, resuming=cfg.ckpt.load_enable, overwrite=cfg.logger.overwrite)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))

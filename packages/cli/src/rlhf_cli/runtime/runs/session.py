@@ -42,11 +42,13 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
     it and the checkpoint to resume from); a stop's error does when the body succeeded."""
     resources, started_ray = start_ray(cfg)
     session = RunSession(resources=resources)
-    body_failed = True
+    body_failed, interrupted = True, ""
     try:
         yield session
         body_failed = False
     except BaseException as err:  # Ctrl-C too: the tracker is told the run failed
+        if isinstance(err, KeyboardInterrupt):  # said last, under whatever the stops print
+            interrupted = f"interrupted{_after_step(session)}; {_resume_hint(cfg)}"
         if session.tracker is not None:
             with contextlib.suppress(Exception):  # the stops and Ray are stopped regardless
                 session.tracker.stop(failed=True)
@@ -66,6 +68,14 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
             raise errors[0]
         for err in errors:
             print(f"while stopping the failed run: {type(err).__name__}: {err}", file=sys.stderr)
+        if interrupted:
+            print(interrupted, file=sys.stderr)
+
+
+def _after_step(session: RunSession) -> str:
+    """`` after step N`` of the last step the run's tracker logged (empty before the first)."""
+    history = getattr(session.tracker, "history", None) or []
+    return f" after step {history[-1]['step']}" if history else ""
 
 
 def _resume_hint(cfg: PPOConfig | OfflineConfig) -> str:

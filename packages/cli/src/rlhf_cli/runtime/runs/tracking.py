@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,8 +30,13 @@ class Display:
     summary_keys: tuple[str, ...]
     time_split: tuple[str, ...] = ()
     """``time/<name>`` metrics shown after the progress line."""
-    lower_is_better: tuple[str, ...] = field(default=("loss", "mismatch", "time", "nll"))
+    lower_is_better: tuple[str, ...] = field(default=("loss", "mismatch", "time", "nll", "undesirable"))
     """Substrings of metric names whose best value is the smallest."""
+    higher_is_better: tuple[str, ...] = field(
+        default=("reward_mean", "pass_rate", "pass_at_n", "accuracy", "margin", "reward_gap", "desirable")
+    )
+    """Substrings of metric names whose best value is the largest (checked after ``lower_is_better``);
+    a metric in neither (a KL, a length, a gradient norm) has no best."""
 
 
 PPO_DISPLAY = Display(
@@ -129,7 +135,8 @@ class Tracker:
             )
         self.total = total_steps
         self._progress = None
-        if progress:
+        self._plain = progress and not sys.stdout.isatty()  # a log file, nohup, SLURM: a line per step
+        if progress and not self._plain:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
@@ -178,6 +185,12 @@ class Tracker:
             self.wandb.log(record, step=step)
         if self._progress is not None and any(key in metrics for _, key, _ in self.display.shown):
             self._progress.update(self._task, completed=step, description=self._line(record))
+        if self._plain:
+            elapsed = time.monotonic() - self._t0
+            print(
+                f"{self.display.name} step {step}/{self.total}  {self._line(record)}  [{elapsed:.0f}s]",
+                flush=True,
+            )
 
     def _line(self, record: dict) -> str:
         shown = self.display.shown
@@ -240,6 +253,13 @@ class Tracker:
         fig.tight_layout()
         return fig
 
+    def _best(self, key: str, vals: list[float]) -> str:
+        if any(part in key for part in self.display.lower_is_better):
+            return f"{min(vals):.4f}"
+        if any(part in key for part in self.display.higher_is_better):
+            return f"{max(vals):.4f}"
+        return "-"
+
     def summary(self) -> str:
         from rich.console import Console
         from rich.table import Table
@@ -252,9 +272,7 @@ class Tracker:
             pts = self.series(key)
             if pts:
                 vals = [v for _, v in pts]
-                low = any(part in key for part in self.display.lower_is_better)
-                best = min(vals) if low else max(vals)
-                table.add_row(key, f"{vals[0]:.4f}", f"{vals[-1]:.4f}", f"{best:.4f}")
+                table.add_row(key, f"{vals[0]:.4f}", f"{vals[-1]:.4f}", self._best(key, vals))
         console = Console(record=True, width=100)
         console.print(table)
         for line in self.notes:
