@@ -61,6 +61,20 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "final_model" / "model.safetensors").is_file()
     assert "eval/pass_rate" in stdout  # the summary table
+    # off a terminal: a plain line per step; none of the libraries' start-up noise
+    steps = [line for line in stdout.splitlines() if line.startswith("ppo step ")]
+    assert len(steps) == len(rows) and steps[-1].startswith(f"ppo step {len(rows)}/{len(rows)} "), steps[-2:]
+    for noise in ("Setting accelerator to CPU", "Token authentication is enabled", "Writing model shards"):
+        assert noise not in stderr, noise
+    # the same command again would replace the finished run: refused in one line, nothing touched
+    again = subprocess.run(
+        [str(BIN / "rlhf"), "ppo"], cwd=tmp_path, env=plain, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --logger.run_dir {run_dir} holds a previous run (metrics.jsonl, final_model): resume it with "
+        "--ckpt.load_enable, replace it with --logger.overwrite, or pick another folder"
+    ], again.stderr
+    assert len(metrics(run_dir)) == len(rows)
 
 
 @pytest.mark.gpu

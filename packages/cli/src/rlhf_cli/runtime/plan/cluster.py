@@ -3,6 +3,7 @@ placement groups of a plan (each one's removal registered with the run the momen
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -93,11 +94,13 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
         if address:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         else:
+            logging.getLogger(_TOKEN_SETUP).addFilter(_not_token_auth_notice)
             ray.init(
                 num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                 include_dashboard=False,
                 log_to_driver=False,
                 _node_ip_address="127.0.0.1",
+                logging_level=logging.WARNING,  # not "Started a local Ray instance" on every run
             )
         started = True
     tensor_wire.register()
@@ -112,6 +115,14 @@ def start_ray(cfg: PPOConfig | OfflineConfig) -> tuple[ClusterResources, bool]:
         gpu_memory_gib=_gpu_memory_gib() if gpus else None,  # the driver's node's, as a sample
         host_memory_gib=None if address else _host_memory_gib(),
     ), started
+
+
+_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+
+
+def _not_token_auth_notice(record: logging.LogRecord) -> bool:
+    """Ray's notice, on every local start, that token authentication is on (the default we keep)."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
 def _loopback_only() -> None:
