@@ -602,3 +602,22 @@ def test_a_real_model_gets_real_model_defaults_where_the_user_set_none(tmp_path)
     printed = yaml.safe_load(dump_yaml(real))
     assert printed["actor"]["lr"] == 1e-6 and printed["rollout"]["max_new_tokens"] == 1024
     assert yaml.safe_load(CliRunner().invoke(app, ["sft", "--print-config"]).output)["model"]["lr"] == 1e-3
+
+
+def test_a_resumed_run_says_what_it_resumed_from(tmp_path):
+    import json
+
+    cfg = build_config(PPOConfig, ["--logger.run_dir", str(tmp_path), "--train.num_steps", "2"])
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    (ckpt / "run_state.json").write_text(
+        json.dumps({"step": 2, "weight_version": 3, "cursor": {"epoch": 0, "index": 4}})
+    )
+    (tmp_path / "checkpoints" / "latest").write_text(ckpt.name)
+    (tmp_path / "final_model").mkdir()
+    (tmp_path / "final_model" / "config.json").write_text("{}")
+    result = run_cli("--logger.run_dir", str(tmp_path), "--train.num_steps", "2", "--ckpt.load_enable")
+    assert result.exit_code == 0, result.output
+    assert f"--ckpt.load_enable: resuming from {ckpt} (step 2)" in result.output
+    assert "is finished" in result.output  # the last step's checkpoint and the export are there

@@ -192,8 +192,6 @@ def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path, *, forc
     peft_type = json.loads((adapter_dir / "adapter_config.json").read_text()).get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"adapter {str(adapter_dir)!r} is a {peft_type} adapter, not LoRA")
-    if not force:
-        check_trained_base(base_dir, adapter_dir)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_dir)))
     modules = dict(base.named_modules())
@@ -217,6 +215,8 @@ def check_adapter_matches(base_dir: str | Path, adapter_dir: str | Path, *, forc
                     f"model {str(base_dir)!r} has {want} {'inputs' if '.lora_A.' in key else 'outputs'}: it was "
                     "trained on another base"
                 )
+    if not force:  # the shapes fit: the weights may still be another checkpoint's
+        check_trained_base(base_dir, adapter_dir)
 
 
 def merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
