@@ -1,8 +1,8 @@
 """What this machine's CPU does with bf16: measured, since CPU flags alone do not say how fast it is.
 
-On CPUs with AMX a bf16 matrix multiply is 3-7x faster than an fp32 one (2048², the machines this
-project is measured on); on an AVX2-only CPU PyTorch has no fast bf16 kernel and it is about 100x slower (an
-AVX2 AMD EPYC: 1.3 against 140 GFLOP/s)."""
+On CPUs with AMX a bf16 matrix multiply is several times faster than an fp32 one; on an AVX2-only CPU
+PyTorch has no fast bf16 kernel and it is far slower. A run's precision choice asks this module instead of
+guessing from the CPU's flags."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class MatmulSpeed:
 
 def cpu_matmul_speed(size: int = 256, repeats: int = 3) -> MatmulSpeed:
     """Time ``size x size`` matrix multiplies in fp32 and bf16 on the CPU: the best of ``repeats`` after
-    one warm-up each. About 0.1 s where bf16 is slow (``size`` 256), a few milliseconds elsewhere."""
+    one warm-up each (``size`` 256 keeps it short where bf16 is slow)."""
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be positive, got {size} and {repeats}")
     flops = 2.0 * size**3

@@ -42,21 +42,19 @@ class SamplingParams:
     engine seeds its sampler once for the call instead, as the transformers engine does: the same prompts
     in the same call give the same tokens on an engine of the same settings whose prefix cache holds the
     same (vLLM's noise is drawn per step and batch row, so the tokens depend on how the call is
-    scheduled). It spares vLLM drawing each seeded request's noise one request at a time (``rlhf ppo`` at
-    0.4M on 2 CPU cores: generation 0.153 / 0.146 s a step against 0.140 / 0.138). It needs the engine's
-    worker in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker); the caller's
-    random state is left as it was. The asynchronous engine, whose calls overlap, refuses it. vLLM's V2
-    model runner (GPU, with Triton) draws seeded requests' noise in one kernel: there each sample stays
-    seeded."""
+    scheduled). It spares vLLM drawing each seeded request's noise one request at a time. It needs the
+    engine's worker in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker); the
+    caller's random state is left as it was. The asynchronous engine, whose calls overlap, refuses it.
+    vLLM's V2 model runner (GPU, with Triton) draws seeded requests' noise in one kernel: there each sample
+    stays seeded."""
     n: int = 1
     """Samples per prompt."""
     ignore_eos: bool = False
     """Keep generating past EOS (stop tokens still stop). For benchmarks with fixed lengths."""
     logprobs: bool = True
     """Return each sampled token's logprob. ``False``: every ``Generation.logprobs`` entry is NaN, and the
-    vLLM engines skip that work (vLLM's per-token log-prob gathering and bookkeeping, about a sixth of a
-    0.4M model's generation on one CPU core; the transformers engine, whose logits processor samples,
-    computes them anyway)."""
+    vLLM engines skip that work (vLLM's per-token log-prob gathering and bookkeeping; the transformers
+    engine, whose logits processor samples, computes them anyway)."""
     extra: dict = field(default_factory=dict, compare=False)
     """Backend-specific extras passed through unchanged (e.g. vLLM ``SamplingParams`` fields)."""
 

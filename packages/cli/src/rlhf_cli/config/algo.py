@@ -54,11 +54,11 @@ wins: a plugin may take one of these)."""
 class AdvantageConfig(Section):
     plugin: Path | None = None
     """A Python file that registers estimators (rlhf_algos.register_estimator), run once before the
-    name is checked. The file is executed: pass only files you trust."""
+    name is checked (it is executed: pass only files you trust)."""
     estimator: str = "group_norm"
     """A name in rlhf-algos' estimator registry (`rlhf estimators` lists them): gae (needs the critic),
-    reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo, or one --algo.advantage.plugin
-    registers. The papers' names are read too: grpo, reinforce++, reinforce++-baseline, ppo (gae)."""
+    reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo or one --algo.advantage.plugin
+    registers, the papers' names being read too (grpo, reinforce++, reinforce++-baseline, ppo for gae)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount factor."""
     lam: float = Field(0.95, ge=0, le=1)

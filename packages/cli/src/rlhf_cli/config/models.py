@@ -30,8 +30,9 @@ class GroupShape(Section):
     """How many Ray processes a learner group runs: nodes x devices per node data-parallel ranks."""
 
     num_nodes: int = Field(1, ge=1)
-    """Nodes of the group: ranks = num_nodes x num_devices_per_node. Above 1, the ranks span exactly that many
-    nodes, num_devices_per_node on each (refused on a cluster with fewer); 1: packed onto as few as fit."""
+    """Nodes of the group (ranks = num_nodes x num_devices_per_node): above 1, the ranks span exactly that
+    many nodes, num_devices_per_node on each (refused on a cluster with fewer); 1: packed onto as few as
+    fit."""
     num_devices_per_node: int = Field(1, ge=1)
     """Processes (one GPU each on GPU clusters) per node."""
 
@@ -98,7 +99,7 @@ class CriticConfig(TrainedGroup):
 
 class RefConfig(GroupShape):
     pretrain: str | None = None
-    """Reference policy folder; unset: the actor's starting weights. Skipped when no KL term is used."""
+    """Reference policy folder, unused when no KL term is on; unset: the actor's starting weights."""
 
 
 class RewardConfig(GroupShape):
@@ -107,8 +108,8 @@ class RewardConfig(GroupShape):
     pretrain: str | None = None
     """A reward-model folder (*ForSequenceClassification, one label), run as its own Ray group."""
     remote_url: list[str] = Field(default_factory=list)
-    """HTTP reward endpoint(s); repeat the flag or give a comma-separated list. A bearer token in
-    RLHF_REWARD_TOKEN is sent along."""
+    """HTTP reward endpoint(s), the flag repeated or a comma-separated list, with the bearer token in
+    RLHF_REWARD_TOKEN sent along when set."""
     timeout_s: float = Field(60.0, gt=0)
     """Timeout of each request to a remote reward endpoint."""
     func_timeout_s: float | None = Field(None, gt=0)

@@ -100,7 +100,7 @@ class OfflineTrain(Section):
     batch_size: int = Field(32, ge=1)
     """Examples (pairs for rm and dpo) per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = Field(8, ge=1)
-    """Examples per forward/backward on each rank (the rest is gradient accumulation). Unset: the largest
+    """Examples per forward/backward on each rank (the rest is gradient accumulation); unset: the largest
     size up to 8 that splits each rank's share of --train.batch_size evenly."""
     seed: int = 42
     """Seed of data order, held-out split and model initialisation."""

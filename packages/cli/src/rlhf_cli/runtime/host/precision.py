@@ -1,8 +1,8 @@
 """A warning for bf16 asked of a CPU that multiplies bf16 matrices slowly.
 
-On CPUs with AMX a bf16 step is faster than fp32 (23M GRPO: about 1.5x); on an AVX2-only CPU PyTorch has
-no fast bf16 matrix kernel and the same run is far slower than in fp32 (an AVX2 AMD EPYC: 1.3 against 140
-GFLOP/s; a 0.4M GRPO step 1.6 s against 0.35-0.37). The run still starts: bf16 is a choice, not an error."""
+On CPUs with AMX a bf16 step is faster than fp32; on an AVX2-only CPU PyTorch has no fast bf16 matrix
+kernel and the same run is far slower than in fp32 (figures: docs/performance.md). The run still starts:
+bf16 is a choice, not an error."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def slow_bf16_note(
     cfg: PPOConfig | OfflineConfig, *, gpus: int, measure: Callable[[], MatmulSpeed] | None = None
 ) -> str | None:
     """One line when a run on CPU (``gpus`` 0) asks for bf16 and this CPU multiplies bf16 matrices
-    ``SLOW_BF16`` or more times slower than fp32 (``measure``d now, default ``cpu_matmul_speed``: about
-    0.1 s); else None."""
+    ``SLOW_BF16`` or more times slower than fp32 (``measure``d now, default ``cpu_matmul_speed``); else
+    None."""
     flags = bf16_flags(cfg)
     if gpus or not flags:
         return None

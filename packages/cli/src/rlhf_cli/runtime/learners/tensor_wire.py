@@ -1,8 +1,6 @@
 """Tensors through Ray (task arguments and results between the driver and the learner ranks) as NumPy
 byte arrays, which pickle protocol 5 ships out of band, instead of torch's own pickling (a ``torch.save``
-per tensor). A step's 32 sequences of ~70 tokens: 1.5 ms to pickle and 2.7 ms to unpickle as tensors,
-0.06 and 0.03 ms as arrays. At 0.4M parameters the reference forward's call went from 0.061-0.069 s to
-0.053-0.059 s (benchmarks/e2e_grpo_vs_trl.py, three alternating pairs).
+per tensor), which costs far more for the many small tensors of a step (docs/performance.md).
 
 Ray applies a registered serializer to objects of exactly that type in the process that registered it
 (:func:`register`: the driver once Ray is up, and each learner rank), so parameters and other tensor

@@ -95,9 +95,8 @@ EAGER_BELOW_PARAMS = 1_000_000
 
 def eager_engines(flag: bool | None, *, params: int, gpu: bool) -> bool:
     """Whether vLLM engines skip torch.compile: ``flag`` (``--vllm.enforce_eager``), else on CPU for a policy
-    under :data:`EAGER_BELOW_PARAMS` parameters. Measured on CPU: the built-in demo (0.4M) ran in 94-99 s eager
-    against 135-142 s compiled (alternating runs), the same pass rate; a 23M model generated 3.2x
-    faster compiled."""
+    under :data:`EAGER_BELOW_PARAMS` parameters, whose compile costs more start-up than it saves (the
+    figures: docs/performance.md)."""
     if flag is not None:
         return flag
     return not gpu and params < EAGER_BELOW_PARAMS
@@ -305,8 +304,8 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
             cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size / resources.nodes
         )
         # Asynchronous: the producer's reference forward overlaps both sides; bound to no core (with a
-        # half's threads: one on 2 cores) it takes what either side leaves idle (2 cores, 23M: 1.14-1.24
-        # s/step, against 1.30 on the learners' core and 1.42 on the engines').
+        # half's threads: one on 2 cores) it takes what either side leaves idle, faster than on either
+        # side's cores (docs/performance.md).
         floating = ("ref",) if cfg.train.async_.enabled else ()
         groups = pinned(groups, per_node, resources, floating=floating)
     groups = colocate(groups, cfg.colocated)
