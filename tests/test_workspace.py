@@ -136,3 +136,29 @@ def test_plain_uv_run_changes_nothing():
     """``uv run`` syncs without the extra and without removing packages (``--inexact``): that
     environment must hold the same versions as README's, numpy included."""
     assert _dry_run_changes("--inexact") == []
+
+
+def test_the_gpu_install_command_resolves_and_builds_flash_attn_against_the_installed_torch():
+    """README's GPU sync, planned here (``--dry-run``: nothing is built or installed): the lock holds it,
+    flash-attn among it; and flash-attn, an sdist whose build imports torch, gets the torch being
+    installed in its build environment (``extra-build-dependencies`` with ``match-runtime``)."""
+    import tomllib
+
+    uv = shutil.which("uv") or str(BIN / "uv")
+    gpu = [
+        "--all-packages",
+        *[a for e in ("vllm", "flash", "ring", "liger", "qlora") for a in ("--extra", e)],
+    ]
+    out = subprocess.run(
+        [uv, "sync", *gpu, "--locked", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^ \+ flash-attn==", out.stderr + out.stdout, flags=re.MULTILINE), out.stderr[-2000:]
+    uv_settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"]
+    (build,) = uv_settings["extra-build-dependencies"]["flash-attn"]
+    assert build == {"requirement": "torch", "match-runtime": True}

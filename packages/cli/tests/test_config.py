@@ -621,3 +621,18 @@ def test_a_resumed_run_says_what_it_resumed_from(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"--ckpt.load_enable: resuming from {ckpt} (step 2)" in result.output
     assert "is finished" in result.output  # the last step's checkpoint and the export are there
+
+
+def test_engines_take_the_learners_precision_unless_told_otherwise():
+    """vLLM's own ``auto`` would turn an fp32 checkpoint into bf16 on a GPU: the engines get the learners'
+    dtype explicitly, on GPU as on CPU; another dtype the user asks for is said once, with the fix."""
+    from rlhf_cli.ppo.components import engine_dtype, engine_settings
+
+    for precision, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        cfg = build_config(PPOConfig, ["--learner.precision", precision])
+        assert engine_dtype(cfg) == (dtype, None)
+        for gpu in (True, False):
+            assert engine_settings(cfg, "m", gpu=gpu, params=10**9).dtype == dtype
+    chosen, note = engine_dtype(build_config(PPOConfig, ["--rollout.dtype", "bfloat16"]))
+    assert chosen == "bfloat16" and note.startswith("--rollout.dtype bfloat16 while the learners train in")
+    assert "--rollout.dtype auto keeps them equal" in note

@@ -492,3 +492,26 @@ def test_an_fsdp2_group_is_planned_as_its_backend_shards_it():
     assert fsdp2.parts["grads+optimizer"] > ds.parts["grads+optimizer"]
     assert plans["fsdp2", "2"].group("ref").parts == plans["deepspeed", "2"].group("ref").parts  # replicas
     assert fsdp2.note.startswith("FSDP2") and ds.note.startswith("ZeRO-2")
+
+
+def test_a_gpu_transport_is_chosen_only_where_the_placement_guarantees_it(tmp_path):
+    """CUDA IPC needs every engine on actor rank 0's GPU, NCCL a GPU per process: the plan says which it
+    chose and why, and refuses (one line, the fix named) a fractional placement on several GPUs that
+    nothing pins together, where the sync would fail at connect time."""
+    model = str(write_config(tmp_path / "m", layers=4, hidden=512))
+    cfg = ppo("--actor.pretrain", model)
+    whole = make_plan(cfg, gpu(80.0, gpus=4))
+    assert "over nccl (each process has a GPU of its own)" in whole.render()
+    colocated = cfg.model_copy(update={"train": cfg.train.model_copy(update={"colocate_all": True})})
+    assert "over cuda_ipc (the engines share actor rank 0's GPU)" in make_plan(colocated, gpu(80.0)).render()
+    shared = ppo("--actor.pretrain", model, "--ray.gpus_per_worker", "0.5")
+    assert "over cuda_ipc (every process shares the one GPU)" in make_plan(shared, gpu(80.0, gpus=1)).render()
+    with pytest.raises(
+        ConfigError, match=r"^weight sync over cuda_ipc \(--ray.gpus_per_worker 0.5: processes share"
+    ):
+        make_plan(shared, gpu(80.0, gpus=4))
+    forced = ppo("--actor.pretrain", model, "--ray.gpus_per_worker", "0.5", "--weightsync.transport", "nccl")
+    with pytest.raises(
+        ConfigError, match=r"^weight sync over nccl with --ray.gpus_per_worker 0.5: NCCL needs"
+    ):
+        make_plan(forced, gpu(80.0, gpus=4))

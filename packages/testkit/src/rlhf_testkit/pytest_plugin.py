@@ -2,7 +2,8 @@
 
 Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`` (a module's Ray cluster
 across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``). Markers: ``gpu`` tests are skipped
-when CUDA is absent; ``slow`` is registered for end-to-end tests.
+when CUDA is absent, and run one at a time across the suite's processes (``gpu_lock``: they compare the
+device's free memory, and share one GPU); ``slow`` is registered for end-to-end tests.
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
@@ -11,6 +12,11 @@ the end of their module and of the session.
 """
 
 from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
@@ -42,6 +48,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+GPU_LOCK = Path(tempfile.gettempdir()) / "rlhf-testkit-gpu.lock"
+"""Held by the process running a ``gpu`` test (pytest-xdist runs test files in several processes)."""
+
+
+@contextlib.contextmanager
+def gpu_lock(path: Path = GPU_LOCK) -> Iterator[None]:
+    """Exclusive across processes (and open files) for the body: one ``gpu`` test at a time."""
+    import fcntl
+
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A ``gpu`` test's set-up, call and teardown (module fixtures it starts or ends included) hold
+    ``gpu_lock``; a skipped one does not wait."""
+    if not item.get_closest_marker("gpu") or item.get_closest_marker("skip"):
+        return (yield)
+    with gpu_lock():
+        return (yield)
 
 
 @pytest.fixture(scope="session")

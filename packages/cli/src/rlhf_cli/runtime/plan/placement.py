@@ -212,12 +212,45 @@ def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: R
     _check_memory(groups, resources, ray_cfg)
 
 
-def _plan(groups: list[GroupPlan], resources: ClusterResources, transport: str, n: int) -> Plan:
+def gpu_transport_reason(transport: str, *, with_actor: bool, share: float, gpus: int) -> str:
+    """Why a GPU transport fits this placement, or a one-line ConfigError when nothing guarantees it:
+    CUDA IPC needs every engine on actor rank 0's GPU (colocated with the actor, or one GPU in all), NCCL a
+    GPU per process (``--ray.gpus_per_worker 1``). Empty for the host-memory transports."""
+    if transport == "cuda_ipc":
+        if with_actor or gpus == 1:
+            return (
+                "the engines share actor rank 0's GPU" if with_actor else "every process shares the one GPU"
+            )
+        raise ConfigError(
+            f"weight sync over cuda_ipc (--ray.gpus_per_worker {share:g}: processes share GPUs): nothing puts "
+            f"every engine on actor rank 0's GPU among the cluster's {gpus}; colocate them with the actor "
+            "(--train.colocate_all) or give each process a whole GPU (--ray.gpus_per_worker 1: NCCL)"
+        )
+    if transport == "nccl":
+        if share >= 1:
+            return "each process has a GPU of its own"
+        raise ConfigError(
+            f"weight sync over nccl with --ray.gpus_per_worker {share:g}: NCCL needs a GPU per process "
+            "(processes sharing one cannot join a group); use cuda_ipc with engines colocated with the actor, "
+            "or --ray.gpus_per_worker 1"
+        )
+    return ""
+
+
+def _plan(
+    groups: list[GroupPlan], resources: ClusterResources, transport: str, n: int, *, reason: str = ""
+) -> Plan:
     gpu, dev = resources.gpus > 0, resources.gpu_memory_gib
     notes = [f"device memory: {dev:.2f} GiB per GPU (processes sharing a GPU add up)"] if gpu and dev else []
     device = "cuda" if gpu else "cpu"
     return Plan(
-        device=device, groups=groups, transport=transport, resources=resources, num_params=n, notes=notes
+        device=device,
+        groups=groups,
+        transport=transport,
+        transport_reason=reason,
+        resources=resources,
+        num_params=n,
+        notes=notes,
     )
 
 
@@ -317,9 +350,8 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
 
     one_host = len(set(resources.node_ips)) <= 1
     receivers = rollout_backend(cfg.rollout.backend).capabilities.gpu_weight_transports
-    share = cfg.ray.gpus_per_worker
-    if any(s_ for s_ in cfg.colocated if {"actor", "engines"} <= set(s_)):
-        share = min(share, 0.5)  # the engines see the actor's GPUs: CUDA IPC
+    with_actor = any({"actor", "engines"} <= set(s) for s in cfg.colocated)
+    share = min(cfg.ray.gpus_per_worker, 0.5) if with_actor else cfg.ray.gpus_per_worker
     try:
         transport = select_transport(
             cfg.weightsync.transport,
@@ -330,6 +362,7 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    plan = _plan(groups, resources, transport, sizes.actor.params)
+    why = gpu_transport_reason(transport, with_actor=with_actor, share=share, gpus=resources.gpus)
+    plan = _plan(groups, resources, transport, sizes.actor.params, reason=why)
     plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None, engines=n * tp))
     return plan

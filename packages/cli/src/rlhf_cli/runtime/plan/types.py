@@ -64,6 +64,8 @@ class Plan:
     """cuda or cpu."""
     groups: list[GroupPlan]
     transport: str
+    transport_reason: str = ""
+    """Why the weight sync's GPU transport fits the placement (empty for the host-memory ones)."""
     resources: ClusterResources
     num_params: int
     """The actor's (offline: the trained model's) parameters."""
@@ -87,6 +89,7 @@ class Plan:
             lines.append(f"{g.name:<8} {g.processes:>9}  {bundle:<22} {g.memory_gib:>8.2f} GiB  {note}")
         if (e := self.group("engines")) is not None:
             sync = f"weight sync: actor rank 0 -> {e.processes} engine process(es) over {self.transport}"
+            sync += f" ({self.transport_reason})" if self.transport_reason else ""
             lines.append(sync)
         lines += self.notes
         return "\n".join(lines)
