@@ -439,6 +439,7 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
     for step, r in enumerate(rows, start=1):  # non-partial: a batch's samples share one version
         assert r["sync/staleness_max"] == r["sync/staleness_mean"] == step - r["rollout/weight_version"]
         assert r["sync/staleness_max"] <= 1.0
+        assert r["sync/mixed_version_frac"] == 0.0  # no update lands mid-generation without partial rollout
     assert [r["sync/weight_version"] for r in rows] == [2.0, 3.0]
     # the producer ran ahead, but the checkpoint holds where the trained batches end: 2 x 4 prompts
     assert cursor_at(first.run_dir, 2) == {"epoch": 0, "index": 8}
@@ -455,6 +456,7 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
     for r in rows:
         assert 0.0 <= r["sync/staleness_max"] <= 2.0
         assert r["sync/staleness_0_frac"] + r["sync/staleness_1_frac"] + r["sync/staleness_2_frac"] == 1.0
+        assert 0.0 <= r["sync/mixed_version_frac"] <= 1.0
         assert r["rollout/response_length"] > 0
     assert [r["sync/weight_version"] for r in rows] == [4.0, 5.0]
 

@@ -17,7 +17,7 @@ from rlhf_cli.data.batches import Sample
 from rlhf_cli.data.prompts import PromptSet
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
-from rlhf_cli.ppo.rollout import RolloutStage
+from rlhf_cli.ppo.rollout import RolloutBatch, RolloutStage
 from rlhf_cli.ppo.settings import ExperienceSettings, RewardSettings, RolloutSettings, UpdateSettings
 from rlhf_cli.ppo.updates import micro_batches, update
 from rlhf_cli.runtime.learners.specs import GroupSpec
@@ -1003,3 +1003,32 @@ def test_a_step_whose_groups_all_got_one_reward_is_counted_and_warned_of_once(ca
     assert len(warnings) == 1 and warnings[0].startswith(
         "warning: step 1: each prompt's samples all got the same"
     )
+
+
+def test_a_sample_whose_tokens_span_two_versions_counts_as_mixed():
+    """Partial rollout: an update that lands mid-generation leaves a sample sampled by two versions; it
+    trains as of its oldest, and ``sync/mixed_version_frac`` counts it."""
+    import dataclasses
+
+    from rlhf_cli.ppo.pipeline import staleness_metrics
+    from rlhf_rollout.types import VersionSpan
+
+    cfg = cfg_of()
+    stage = RolloutStage(
+        RolloutSettings.of(cfg),
+        make_executor=None,
+        prompts=prompt_set(),
+        rewards=RewardStage(RewardSettings.of(cfg), reward_model=None),
+    )
+    one = dataclasses.replace(traj(), weight_versions=(VersionSpan(version=3, start=0, end=3),))
+    two = dataclasses.replace(
+        traj(),
+        weight_versions=(VersionSpan(version=3, start=0, end=1), VersionSpan(version=4, start=1, end=3)),
+    )
+    samples = [stage._sample(t, 0, 3) for t in (one, two, one, one)]
+    assert [(s.weight_version, s.mixed_versions) for s in samples[:2]] == [(3, False), (3, True)]
+    batch = RolloutBatch(
+        step=1, samples=samples, weight_version=3, cursor=None, generation_s=0.0, reward_s=0.0
+    )
+    lag = staleness_metrics(batch, policy_version=4, eta=1)
+    assert lag["sync/mixed_version_frac"] == 0.25 and lag["sync/staleness_1_frac"] == 1.0

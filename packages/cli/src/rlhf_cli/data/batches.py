@@ -56,7 +56,9 @@ class Sample:
     truncated: bool
     prompt_index: int
     weight_version: int
-    """Version of the engine's weights that sampled it."""
+    """Version of the engine's weights that sampled it (the oldest, when several did)."""
+    mixed_versions: bool = False
+    """Its tokens were sampled by more than one weight version (an update landed mid-generation)."""
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None

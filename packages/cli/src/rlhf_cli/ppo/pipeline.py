@@ -259,9 +259,11 @@ class RolloutPipeline:
 
 def staleness_metrics(batch: RolloutBatch, *, policy_version: int, eta: int) -> dict[str, float]:
     """``sync/staleness_*``: how many versions the batch's samples lag the policy they train (mean, max and
-    the share at each lag 0..eta)."""
+    the share at each lag 0..eta); ``sync/mixed_version_frac``: the share of samples whose tokens more than
+    one weight version sampled (partial rollout's updates landing mid-generation)."""
     lag = policy_version - torch.tensor([s.weight_version for s in batch.samples], dtype=torch.float64)
     out = {"sync/staleness_mean": float(lag.mean()), "sync/staleness_max": float(lag.max())}
+    out["sync/mixed_version_frac"] = sum(s.mixed_versions for s in batch.samples) / len(batch.samples)
     for k in range(eta + 1):
         out[f"sync/staleness_{k}_frac"] = float((lag == k).double().mean())
     return out

@@ -155,4 +155,5 @@ class RolloutStage:
             truncated=bool(t.truncated),
             prompt_index=group,
             weight_version=version if oldest is None else oldest,
+            mixed_versions=len({span.version for span in t.weight_versions}) > 1,
         )
