@@ -1018,3 +1018,32 @@ def test_openai_server_refuses_bad_requests_naming_the_field(openai_server, path
         f"{openai_server.base_url()}/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10
     )
     assert ok.status_code == 200 and openai_server.pop_records()  # still serving
+
+
+def test_a_reward_function_that_raises_ends_the_run_with_its_own_frames(tmp_path, monkeypatch):
+    """The user's traceback (their file and lines), none of our frames, then one line naming the file."""
+    import asyncio
+
+    from rlhf_cli.main import app
+    from rlhf_rollout import RewardFunction
+    from typer.testing import CliRunner
+
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n    return [score(q) for q in queries]\n\n"
+        "def score(query):\n    raise ValueError('no answer in ' + query)\n"
+    )
+    func = RewardFunction.from_file(path)
+
+    def run(cfg):  # the run, as far as its first reward
+        asyncio.run(func.ascore(queries=["q1"], prompts=["q"], labels=[None]))
+
+    monkeypatch.setattr("rlhf_cli.ppo.recipe.run", run)
+    result = CliRunner().invoke(app, ["ppo", "--logger.run_dir", str(tmp_path / "run")])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert f'File "{path}", line 2, in reward_func' in result.stderr and ", line 5, in score" in result.stderr
+    assert "rlhf_rollout" not in result.stderr and "asyncio" not in result.stderr
+    assert lines[-2] == "ValueError: no answer in q1"
+    assert lines[-1] == f"error: reward_func in '{path}' raised ValueError('no answer in q1')"

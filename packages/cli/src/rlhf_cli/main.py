@@ -118,6 +118,12 @@ def _config_command(
     except ActorDiedError as err:  # a learner rank or an engine died: which, and how to resume
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+    except RuntimeError as err:
+        if not hasattr(err, "user_traceback"):  # rlhf_rollout.UserCodeError: the user's code raised
+            raise
+        typer.echo(err.user_traceback, err=True, nl=False)  # their frames (their file and line), not ours
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
 
 
 @dataclass(frozen=True)
