@@ -66,6 +66,7 @@ def test_registry_names_and_rules():
         "rloo",
         "group_norm",
         "dr_grpo",
+        "distill",
     }
     with pytest.raises(ValueError, match="already registered"):
         register_estimator(AdvantageEstimator(name="gae", group_shaping=None, uses_critic=True, whiten=False))
@@ -79,7 +80,7 @@ def test_estimator_names_have_one_source_and_the_registry_is_read_only():
     from rlhf_algos import BUILTIN_ESTIMATORS, EstimatorName
 
     names = get_args(EstimatorName)
-    assert names == ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+    assert names == ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "distill")
     assert all(ADVANTAGE_ESTIMATORS[n] is e for n, e in zip(names, BUILTIN_ESTIMATORS, strict=True))
     with pytest.raises(TypeError):
         ADVANTAGE_ESTIMATORS["mine"] = ADVANTAGE_ESTIMATORS["gae"]  # type: ignore[index]

@@ -510,6 +510,9 @@ def test_a_folder_holding_a_previous_run_is_refused_unless_resumed_or_replaced(t
     claim_run_dir(tmp_path, resuming=False, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     claim_run_dir(tmp_path, resuming=False, overwrite=False)  # an empty or unrelated folder is fine
+    (tmp_path / "checkpoints").mkdir()  # a folder of the user's own, with no run's metrics: never deleted
+    claim_run_dir(tmp_path, resuming=False, overwrite=True)
+    assert (tmp_path / "checkpoints").is_dir()
 
 
 def test_dry_run_reads_the_inputs_as_the_run_would(tmp_path, demo_model_dir):
@@ -593,6 +596,11 @@ def test_a_real_model_gets_real_model_defaults_where_the_user_set_none(tmp_path)
         }
     )
     assert not real.warmup_runs
+    short = tmp_path / "short"  # a model of 1024 positions: the sequence fits it, the answer half of it
+    short.mkdir()
+    (short / "config.json").write_text('{"max_position_embeddings": 1024}')
+    fitted = build_config(PPOConfig, ["--actor.pretrain", str(short)]).rollout
+    assert (fitted.max_model_len, fitted.max_new_tokens) == (1024, 512)
     mine = build_config(
         PPOConfig, ["--actor.pretrain", str(tmp_path), "--actor.lr", "3e-6", "--rollout.max_new_tokens", "64"]
     )
@@ -601,7 +609,9 @@ def test_a_real_model_gets_real_model_defaults_where_the_user_set_none(tmp_path)
     assert (demo.actor.lr, demo.rollout.max_new_tokens) == (2e-3, 8)  # the tiny demo keeps its own
     printed = yaml.safe_load(dump_yaml(real))
     assert printed["actor"]["lr"] == 1e-6 and printed["rollout"]["max_new_tokens"] == 1024
-    assert yaml.safe_load(CliRunner().invoke(app, ["sft", "--print-config"]).output)["model"]["lr"] == 1e-3
+    # offline: the learning rate stays unset (a file of it derives it again, from its model), shown beside
+    printed = CliRunner().invoke(app, ["sft", "--print-config"]).output
+    assert "  lr: null  # unset: 0.001 is used" in printed and yaml.safe_load(printed)["model"]["lr"] is None
 
 
 def test_a_resumed_run_says_what_it_resumed_from(tmp_path):
@@ -636,3 +646,38 @@ def test_engines_take_the_learners_precision_unless_told_otherwise():
     chosen, note = engine_dtype(build_config(PPOConfig, ["--rollout.dtype", "bfloat16"]))
     assert chosen == "bfloat16" and note.startswith("--rollout.dtype bfloat16 while the learners train in")
     assert "--rollout.dtype auto keeps them equal" in note
+
+
+def test_a_teacher_is_planned_as_a_frozen_group_and_its_inputs_are_checked(tmp_path, demo_model_dir):
+    """--teacher.pretrain: its own frozen group in the plan (or the reference's, when they share a folder);
+    the distill estimator needs it; a teacher with another vocabulary is refused naming both."""
+    import json
+    import shutil
+
+    model = ["--actor.pretrain", str(demo_model_dir), "--ray.num_cpus", "2", "--dry-run"]
+    out = run_cli(*model, "--teacher.pretrain", str(demo_model_dir))
+    assert out.exit_code == 0, out.output
+    assert any(line.startswith("teacher ") and "frozen teacher" in line for line in out.output.splitlines())
+    same = (
+        "--teacher.pretrain",
+        str(demo_model_dir),
+        "--ref.pretrain",
+        str(demo_model_dir),
+        "--algo.kl.coef",
+        "0.01",
+    )
+    shared = run_cli(*model, *same)
+    assert shared.exit_code == 0 and "the teacher too" in shared.output
+    assert not any(line.startswith("teacher ") for line in shared.output.splitlines())
+    assert error_line(run_cli(*model, "--algo.advantage.estimator", "distill")) == (
+        "error: --algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain"
+    )
+    other = tmp_path / "other"
+    shutil.copytree(demo_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    line = error_line(run_cli(*model, "--teacher.pretrain", str(other)))
+    assert line.startswith(f"error: --teacher.pretrain {other}: embeds 100 tokens, fewer than")
+    # with a teacher the student's log-probs come from the learner: the old-policy forward always runs
+    cfg = build_config(PPOConfig, ["--actor.pretrain", "m", "--teacher.pretrain", "t", "--algo.kl.coef", "0"])
+    assert cfg.distills and not cfg.exactly_on_policy

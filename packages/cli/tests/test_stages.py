@@ -1032,3 +1032,43 @@ def test_a_sample_whose_tokens_span_two_versions_counts_as_mixed():
     )
     lag = staleness_metrics(batch, policy_version=4, eta=1)
     assert lag["sync/mixed_version_frac"] == 0.25 and lag["sync/staleness_1_frac"] == 1.0
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "distill"])
+def test_a_teacher_adds_its_per_token_advantage_to_the_estimators(estimator):
+    """With a teacher: A = A_estimator + coef * (teacher log-prob - student log-prob) on each policy token
+    (environment tokens excluded), the reverse KL is logged, and the reference group doubles as the
+    teacher when it is the same group (scored once)."""
+    coef, flags = 0.5, ["--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "3"]
+    cfg = cfg_of(*flags, "--train.micro_batch_size", "2", "--algo.advantage.estimator", estimator,
+                 "--teacher.pretrain", "t", "--algo.distill.coef", str(coef))  # fmt: skip
+    settings = ExperienceSettings.of(cfg)
+    assert not settings.on_policy and settings.distill_coef == coef
+    samples = make_samples(2, 3, seed=5)
+    teacher = FakeGroup("ref", score=lambda s: token_score(s, salt=9))
+    exp = make_experience(
+        settings, samples, actor=actor_group(), ref=None, critic=None, kl_coef=0.0, teacher=teacher
+    )
+    base = (
+        ref_group_norm_advantages(samples, 3)
+        if estimator == "group_norm"
+        else [[0.0] * s.length for s in samples]
+    )
+    kl_sum, tokens = 0.0, 0
+    for s, b in zip(exp.samples, base, strict=True):
+        student, teach = token_score(s.token_ids, salt=1), token_score(s.token_ids, salt=9)
+        want = [
+            b[t] + (coef * float(teach[t] - student[t]) if s.action_mask[t] else 0.0) for t in range(s.length)
+        ]
+        assert s.advantages.tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
+        kl_sum += sum(float(student[t] - teach[t]) for t in range(s.length) if s.action_mask[t])
+        tokens += int(s.action_mask.sum())
+    assert exp.metrics()["distill/reverse_kl"] == pytest.approx(kl_sum / tokens, rel=1e-5)
+    assert "time/teacher" in exp.metrics()
+    # the reference group as the teacher: scored once, the same advantages
+    ref = FakeGroup("ref", score=lambda s: token_score(s, salt=9))
+    again = make_experience(settings, make_samples(2, 3, seed=5), actor=actor_group(), ref=ref, critic=None,
+                            kl_coef=0.0, teacher=ref)  # fmt: skip
+    for a, b in zip(again.samples, exp.samples, strict=True):
+        assert a.advantages.tolist() == pytest.approx(b.advantages.tolist(), abs=1e-6)
+    assert "time/teacher" not in again.metrics()

@@ -5,6 +5,7 @@ Each formula is one function whose docstring states the math and cites the paper
 
 from rlhf_algos.aggregate import LossAggregation, aggregate_loss, sft_loss
 from rlhf_algos.correction import ISCorrection, vllm_is_weights
+from rlhf_algos.distill import distill_advantages, reverse_kl
 from rlhf_algos.estimators import (
     ADVANTAGE_ESTIMATORS,
     BUILTIN_ESTIMATORS,
@@ -57,6 +58,7 @@ __all__ = [
     "approx_kl",
     "compute_advantages",
     "discounted_returns",
+    "distill_advantages",
     "dpo_loss",
     "dynamic_filter",
     "gae",
@@ -71,6 +73,7 @@ __all__ = [
     "pairwise_rm_loss",
     "policy_loss",
     "register_estimator",
+    "reverse_kl",
     "sft_loss",
     "stop_penalty",
     "token_level_rewards",

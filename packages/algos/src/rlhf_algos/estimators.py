@@ -55,6 +55,9 @@ class AdvantageEstimator:
     """GAE over critic values when True; discounted reward-to-go when False."""
     whiten: bool
     """Normalise advantages over the whole batch (mean 0, std 1)."""
+    rewarded: bool = True
+    """False: the sequence scores are not used (on-policy distillation, whose signal is the teacher's
+    per-token log-probs: ``rlhf_algos.distill``); the advantages are then zero before that term."""
 
     def __call__(
         self,
@@ -66,7 +69,7 @@ class AdvantageEstimator:
         reward_clip: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``[batch, time]``."""
-        scores = inputs.scores
+        scores = inputs.scores if self.rewarded else torch.zeros_like(inputs.scores)
         if reward_clip is not None:
             if reward_clip <= 0:
                 raise ValueError(f"reward_clip must be positive, got {reward_clip}")
@@ -101,6 +104,7 @@ BUILTIN_ESTIMATORS: tuple[AdvantageEstimator, ...] = (
     AdvantageEstimator(name="rloo", group_shaping="rloo", uses_critic=False, whiten=True),
     AdvantageEstimator(name="group_norm", group_shaping="group_norm", uses_critic=False, whiten=False),
     AdvantageEstimator(name="dr_grpo", group_shaping="dr_grpo", uses_critic=False, whiten=False),
+    AdvantageEstimator(name="distill", group_shaping=None, uses_critic=False, whiten=False, rewarded=False),
 )
 """The estimators that ship: the one place their names are written."""
 

@@ -94,12 +94,16 @@ def save_adapter(peft_model: nn.Module, directory: str | Path, *, state_dict: di
 def weights_fingerprint(model_dir: str | Path, *, sample_bytes: int = 1 << 16) -> str:
     """A hash of a Hugging Face folder's safetensors files: each one's header (names, dtypes, shapes) and
     ``sample_bytes`` from the start, middle and end of its data. Two checkpoints of one architecture
-    differ in it; reading it costs a few reads per file, whatever the model's size."""
+    differ in it; reading it costs a few reads per file, whatever the model's size. Empty for a folder
+    without safetensors files (``.bin`` weights: nothing to compare)."""
     import hashlib
     import struct
 
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return ""
     digest = hashlib.sha256()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+    for file in files:
         with file.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             digest.update(f.read(n))
@@ -130,7 +134,8 @@ def check_trained_base(base_dir: Path, adapter_dir: Path) -> None:
         expected = weights_fingerprint(recorded)
     else:
         return
-    if weights_fingerprint(base_dir) != expected:
+    given = weights_fingerprint(base_dir)
+    if expected and given and given != expected:
         raise ValueError(
             f"adapter {str(adapter_dir)!r} was trained on {str(recorded)!r}, whose weights are not those of "
             f"{str(base_dir)!r}: merge it into the base it was trained on (--force merges anyway)"

@@ -98,7 +98,7 @@ def import_python_file(path: str | Path, *, what: str) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as err:  # where, as an editor reads it, and the line itself
         text = (err.text or "").strip()
-        where = f"{err.filename or path}:{err.lineno}:{err.offset}"
+        where = f"{err.filename or path}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
         raise RuntimeError(f"{what} {where}: {err.msg}" + (f": {text}" if text else "")) from None
     except Exception as err:
         raise RuntimeError(f"importing {what} {str(path)!r} failed: {err!r}") from err

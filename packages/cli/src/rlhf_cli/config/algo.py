@@ -17,6 +17,7 @@ __all__ = [
     "AdvantageConfig",
     "AlgoConfig",
     "ClipConfig",
+    "DistillConfig",
     "DynamicFilteringConfig",
     "ISCorrectionConfig",
     "KLConfig",
@@ -57,8 +58,9 @@ class AdvantageConfig(Section):
     name is checked (it is executed: pass only files you trust)."""
     estimator: str = "group_norm"
     """A name in rlhf-algos' estimator registry (`rlhf estimators` lists them): gae (needs the critic),
-    reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo or one --algo.advantage.plugin
-    registers, the papers' names being read too (grpo, reinforce++, reinforce++-baseline, ppo for gae)."""
+    reinforce, reinforce_baseline, rloo, group_norm (GRPO), dr_grpo, distill (the teacher's signal alone,
+    no reward) or one --algo.advantage.plugin registers, the papers' names being read too (grpo,
+    reinforce++, reinforce++-baseline, ppo for gae)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount factor."""
     lam: float = Field(0.95, ge=0, le=1)
@@ -166,6 +168,14 @@ class OverlongConfig(Section):
     """Penalty at max_new_tokens."""
 
 
+class DistillConfig(Section):
+    coef: float = Field(1.0, ge=0)
+    """Weight of the teacher's per-token advantage (its log-prob minus the policy's, rlhf_algos'
+    distill_advantages), added to the estimator's; --teacher.pretrain switches it on."""
+    discount: float = Field(0.0, ge=0, le=1)
+    """Discount of the later tokens' terms in each token's advantage (0: each token its own)."""
+
+
 class AlgoConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -173,6 +183,7 @@ class AlgoConfig(Section):
     is_correction: ISCorrectionConfig = Field(default_factory=ISCorrectionConfig)
     dynamic_filtering: DynamicFilteringConfig = Field(default_factory=DynamicFilteringConfig)
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     stop_penalty: float | None = None
     """Responses cut at max_new_tokens: reward x coef (coef >= 0) or replaced by coef (coef < 0)."""
     entropy_coef: float = Field(0.0, ge=0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import difflib
 import functools
 import itertools
 import types
@@ -17,7 +16,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlhf_cli.config.openrlhf_names import openrlhf_hint
+from rlhf_cli.config.hints import suggest as _suggest
+from rlhf_cli.config.hints import unknown_flag as _unknown_flag
 from rlhf_cli.config.renamed import current_name
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "FieldInfo",
     "build_config",
     "current_tree",
-    "dump_yaml",
     "flat_items",
     "iter_fields",
     "parse_flags",
@@ -159,51 +158,6 @@ def _is_bool(annotation: Any) -> bool:
     return bool in args
 
 
-def _words(path: str) -> set[str]:
-    return set(path.replace(".", "_").split("_"))
-
-
-def _near(a: str, b: str) -> bool:
-    """Nearly the same letters once the separators are gone (``datapath``, ``data.path``)."""
-    squash = str.maketrans("", "", "._")
-    return difflib.SequenceMatcher(None, a.translate(squash), b.translate(squash)).ratio() >= 0.85
-
-
-_SYNONYMS = {"learning_rate": "lr", "learning_rate_scheduler": "lr_scheduler", "lr_schedule": "lr_scheduler"}
-"""A key's other names, tried before the closest spelling (``--actor.learning_rate`` is ``--actor.lr``,
-not ``--actor.lr_warmup_ratio``)."""
-
-
-def _suggest(path: str, valid: Sequence[str], *, dash: str) -> str:
-    """The closest valid key (difflib) that shares a word with ``path`` or nearly all its letters
-    (``--log.eval_steps`` is not ``--algo.clip.value_eps``), else one with ``path``'s last segment."""
-    head, _, leaf = path.rpartition(".")
-    synonym = f"{head}.{_SYNONYMS[leaf]}" if head and leaf in _SYNONYMS else None
-    if synonym in valid:
-        return f"; did you mean {dash}{synonym}?"
-    close = difflib.get_close_matches(path, valid, n=5, cutoff=0.6)
-    close = [c for c in close if _words(path) & _words(c) or _near(path, c)][:1]
-    if not close:
-        # try the last segment alone (e.g. --lr for --actor.lr)
-        leaf = path.rsplit(".", 1)[-1]
-        close = [v for v in valid if v.rsplit(".", 1)[-1] == leaf][:1]
-    return f"; did you mean {dash}{close[0]}?" if close else ""
-
-
-def _unknown_flag(name: str, leaves: Collection[str]) -> ConfigError:
-    """The error for ``--name``: an OpenRLHF flag's name here, else the closest flag ``--help`` shows (not
-    the ``--learner`` fields another flag sets)."""
-    from rlhf_cli.config.run import LEARNER_FIELDS_SET_ELSEWHERE
-
-    shown = [
-        p
-        for p in leaves
-        if not (p.startswith("learner.") and p.split(".")[1] in LEARNER_FIELDS_SET_ELSEWHERE)
-    ]
-    hint = openrlhf_hint(name, shown) or _suggest(name, shown, dash="--")
-    return ConfigError(f"unknown flag --{name}{hint}")
-
-
 def _set(tree: dict, path: str, value: Any, *, append: bool) -> None:
     node = tree
     *parents, leaf = path.split(".")
@@ -243,7 +197,8 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.key value")
         name, eq, raw = arg[2:].partition("=")
         given = name.replace("-", "_")
-        name = current_name(given, leaves.keys() | sections)
+        command = getattr(cls, "command", None)
+        name = current_name(given, leaves.keys() | sections, command)
         if spelled.setdefault(name, given) != given:
             raise ConfigError(f"--{spelled[name]} and --{given} set the same value (--{name}); give one")
         info = leaves.get(name)
@@ -255,13 +210,10 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
                     if i >= len(argv):
                         raise ConfigError(f"--{name}: expects a YAML mapping")
                     raw = argv[i]
-                value = _scalar(raw, name)
-                if not isinstance(value, dict) and value is not None:
-                    raise ConfigError(f"--{name}: is a section; expected a YAML mapping, got {raw!r}")
-                _set(tree, name, value, append=False)
+                tree = _section_flag(tree, name, raw, leaves.keys() | sections, command)
                 i += 1
                 continue
-            raise _unknown_flag(name, leaves)
+            raise ConfigError(_unknown_flag(name, leaves))
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if _is_bool(info.annotation) and (nxt is None or nxt.startswith("--")):
@@ -281,6 +233,18 @@ def parse_flags(cls: type[BaseModel], argv: Sequence[str]) -> dict:
             _set(tree, name, value, append=False)
         i += 1
     return tree
+
+
+def _section_flag(tree: dict, name: str, raw: str, known: Collection[str], command: str | None) -> dict:
+    """``tree`` with section ``--name`` given a whole YAML mapping (its keys under their current names too:
+    ``--vllm '{num_engines: 2}'``), or None."""
+    value = _scalar(raw, name)
+    if not isinstance(value, dict) and value is not None:
+        raise ConfigError(f"--{name}: is a section; expected a YAML mapping, got {raw!r}")
+    if value is None:
+        _set(tree, name, None, append=False)
+        return tree
+    return _merge(tree, current_tree({name: value}, known, command=command))
 
 
 def _scalar(raw: str, name: str) -> Any:
@@ -329,25 +293,38 @@ def _load_yaml(path: Path, cls: type[BaseModel]) -> dict:
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     valid = [f.path for f in iter_fields(cls)]
     sections = {p.rsplit(".", i)[0] for p in valid for i in range(1, p.count(".") + 1)}
-    data = current_tree(data, set(valid) | sections, where=str(path))
+    data = current_tree(data, set(valid) | sections, where=str(path), command=getattr(cls, "command", None))
     for key, _ in flat_items(data):
         if key not in valid and key not in sections:
             raise ConfigError(f"{path}: unknown key {key}{_suggest(key, valid, dash='')}")
     return data
 
 
-def current_tree(tree: dict, known: Collection[str] = (), *, where: str = "") -> dict:
+def current_tree(
+    tree: dict, known: Collection[str] = (), *, where: str = "", command: str | None = None
+) -> dict:
     """``tree`` with each setting under its current name (``renamed.RENAMED``): a YAML file or a
     checkpoint's ``config.json`` written before a setting moved reads as if written after. A setting
     given under both names is refused, naming both."""
     out: dict = {}
     spelled: dict[str, str] = {}
     for key, value in flat_items(tree):
-        name = current_name(key, known)
+        name = current_name(key, known, command)
         if spelled.setdefault(name, key) != key:
             raise ConfigError(f"{where}: {spelled[name]} and {key} set the same value ({name}); keep one")
+        if value == {} and _has(out, name):  # an empty section adds nothing to one already read
+            continue
         _set(out, name, value, append=False)
     return out
+
+
+def _has(tree: dict, path: str) -> bool:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def build_config(cls: type[T], argv: Sequence[str] = (), *, config_file: Path | None = None) -> T:
@@ -381,8 +358,3 @@ def _drop_type_tags(loc: tuple) -> str:
     parts = [str(x) for x in loc]
     keep = [p for p in parts if p.isidentifier() and not p[:1].isupper()]
     return ".".join(keep)
-
-
-def dump_yaml(config: BaseModel) -> str:
-    """The resolved tree as YAML that ``--config`` accepts again."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

@@ -19,6 +19,7 @@ __all__ = [
     "GroupShape",
     "RefConfig",
     "RewardConfig",
+    "TeacherConfig",
     "TrainedGroup",
 ]
 
@@ -100,6 +101,12 @@ class CriticConfig(TrainedGroup):
 class RefConfig(GroupShape):
     pretrain: str | None = None
     """Reference policy folder, unused when no KL term is on; unset: the actor's starting weights."""
+
+
+class TeacherConfig(GroupShape):
+    pretrain: str | None = None
+    """A teacher model folder that scores every token the policy samples (on-policy distillation,
+    --algo.distill); it must share the policy's tokenizer; the same folder as --ref.pretrain loads once."""
 
 
 class RewardConfig(GroupShape):

@@ -178,6 +178,10 @@ class OfflineConfig(Section):
     pretrained_lr: ClassVar[float] = 5e-6
     """Default learning rate when --model.pretrain is given (a real model)."""
 
+    def derived_values(self) -> dict[str, object]:
+        """Unset settings whose value the run derives (``--print-config`` shows it beside the null)."""
+        return {"model.lr": self.learning_rate} if self.model.lr is None else {}
+
     @property
     def learning_rate(self) -> float:
         if self.model.lr is not None:
@@ -195,8 +199,6 @@ class OfflineConfig(Section):
     @model_validator(mode="after")
     def _shared_checks(self) -> OfflineConfig:
         check_learner_fields(self.learner, {"lr": "--model.lr"})
-        if self.model.lr is None:  # the value the run uses, in --print-config and the run's config too
-            self.model = self.model.model_copy(update={"lr": self.learning_rate})
         if "micro_batch_size" not in self.train.model_fields_set:  # the largest that fits, up to the default
             shard = self.train.batch_size // data_parallel_size(self.model.world_size, self.learner)
             train = self.train.model_copy()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field, model_validator
@@ -10,7 +11,8 @@ from rlhf_learner import StrategyOptions
 
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.algo import AlgoConfig
-from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig
+from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig, TeacherConfig
+from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, model_positions
 from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
 from rlhf_cli.config.run import (
     CkptConfig,
@@ -27,16 +29,6 @@ from rlhf_cli.config.run import (
 )
 
 __all__ = ["PPOConfig"]
-
-
-REAL_MODEL_DEFAULTS = {
-    "actor.lr": 1e-6,
-    "critic.lr": 9e-6,
-    "rollout.max_new_tokens": 1024,
-    "rollout.max_model_len": 2048,
-}
-"""What an unset setting takes once --actor.pretrain names a model (OpenRLHF's defaults); the defaults
-``--help`` shows fit the built-in demo's tiny model."""
 
 
 class PPOConfig(Section):
@@ -64,6 +56,7 @@ class PPOConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
@@ -87,6 +80,31 @@ class PPOConfig(Section):
     @property
     def uses_reference(self) -> bool:
         return self.algo.kl.enabled
+
+    @property
+    def distills(self) -> bool:
+        """A teacher scores the samples (--teacher.pretrain): on-policy distillation's advantage is added."""
+        return self.teacher.pretrain is not None
+
+    @property
+    def teacher_is_reference(self) -> bool:
+        """The teacher's folder is the reference's: one group, loaded once, serves both."""
+        t, r = self.teacher.pretrain, self.ref.pretrain
+        return (
+            self.distills and self.uses_reference and r is not None and Path(t).resolve() == Path(r).resolve()
+        )
+
+    @property
+    def engine_dtype(self) -> str:
+        """The engines' dtype, said explicitly (vLLM's ``auto`` would turn an fp32 checkpoint into bf16 on a
+        GPU): ``--rollout.dtype``, or the learners' precision for ``auto``."""
+        learner = {"bf16": "bfloat16", "fp32": "float32"}[self.learner.precision]
+        return learner if self.rollout.dtype == "auto" else self.rollout.dtype
+
+    @property
+    def rewarded(self) -> bool:
+        """The estimator uses the samples' rewards (``distill`` alone does not)."""
+        return ADVANTAGE_ESTIMATORS[self.algo.advantage.estimator].rewarded
 
     @property
     def builtin_task(self) -> bool:
@@ -132,8 +150,9 @@ class PPOConfig(Section):
         t, present = self.train, {"actor", "engines"}
         present |= {"critic"} if self.uses_critic else set()
         present |= {"ref"} if self.uses_reference else set()
+        present |= {"teacher"} if self.distills else set()
         present |= {"reward"} if self.reward.source == "model" else set()
-        wanted = [("actor", "critic", "ref", "reward", "engines")] if t.colocate_all else []
+        wanted = [("actor", "critic", "ref", "teacher", "reward", "engines")] if t.colocate_all else []
         wanted += [("actor", "ref")] if t.colocate_actor_ref and not t.colocate_all else []
         wanted += [("critic", "reward")] if t.colocate_critic_reward and not t.colocate_all else []
         sets = [tuple(g for g in w if g in present) for w in wanted]
@@ -152,7 +171,7 @@ class PPOConfig(Section):
     def exactly_on_policy(self) -> bool:
         """One optimizer step per rollout batch and no KL in the reward: the policy that is updated is the
         one that was scored, so the old-policy forward is skipped (its log-probs are the current ones)."""
-        return self.optimizer_steps_per_step == 1 and not self.algo.kl.reward_penalty
+        return self.optimizer_steps_per_step == 1 and not self.algo.kl.reward_penalty and not self.distills
 
     @property
     def reference_overlaps_update(self) -> bool:
@@ -184,9 +203,14 @@ class PPOConfig(Section):
         """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS``."""
         if self.actor.pretrain is None:
             return self
+        positions = model_positions(self.actor.pretrain)
         for path, value in REAL_MODEL_DEFAULTS.items():
             name, key = path.split(".")
             section = getattr(self, name)
+            if key == "max_model_len" and positions is not None:
+                value = min(value, positions)
+            if key == "max_new_tokens":  # room for the prompt too
+                value = min(value, max(1, self.rollout.max_model_len // 2))
             if key not in section.model_fields_set:
                 setattr(self, name, section.model_copy(update={key: value}))
         return self
@@ -287,6 +311,8 @@ class PPOConfig(Section):
             check_split(n, what, self.critic.world_size, "critic", self.learner, m)
         if self.uses_reference:
             check_split(n, what, self.ref.world_size, "reference", self.learner, None)
+        if self.distills:
+            check_split(n, what, self.teacher.world_size, "teacher", self.learner, None)
         for name, group in (("actor", self.actor), ("critic", self.critic)):
             try:
                 group.lr_schedule(group.lr, self.total_optimizer_steps(name))
@@ -299,7 +325,16 @@ class PPOConfig(Section):
         """A model, data and exactly one reward source, in a combination that makes sense."""
         if self.actor.pretrain is None and self.data.path is not None:
             raise ValueError("--data.path is set but --actor.pretrain is not: give the model to train")
-        if self.data.path is not None and self.reward.source is None and self.train.agent_func_path is None:
+        if self.algo.advantage.estimator == "distill" and not self.distills:
+            raise ValueError(
+                "--algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain"
+            )
+        if (
+            self.data.path is not None
+            and self.rewarded
+            and self.reward.source is None
+            and not self.train.agent_func_path
+        ):
             raise ValueError(
                 "--data.path needs a reward: give --reward.func, --reward.pretrain, --reward.remote_url "
                 "or --train.agent_func_path"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rlhf_cli.config.help import set_elsewhere, type_name
 from rlhf_cli.config.loading import iter_fields
 from rlhf_cli.config.openrlhf_names import OPENRLHF_FLAGS, OPENRLHF_NOTES
-from rlhf_cli.config.renamed import RENAMED
+from rlhf_cli.config.renamed import names_for
 
 __all__ = ["COMMAND_CONFIGS", "flag_reference", "openrlhf_table"]
 
@@ -57,10 +57,12 @@ def flag_reference(command: str) -> str:
             f"| `--{f.path}` | {_cell(type_name(f.annotation))} | {_cell(default)} | {_cell(f.doc)} |"
         )
     paths = [f.path for f in iter_fields(cls)]
-    old = sorted((o, n) for o, n in RENAMED.items() if any(p == n or p.startswith(n + ".") for p in paths))
+    renamed = names_for(command).items()
+    old = sorted((o, n) for o, n in renamed if any(p == n or p.startswith(n + ".") for p in paths))
     if old:
-        lines += ["", "## Old names", "", "Still read in flags, YAML files and checkpoints:", ""]
-        lines += ["| old | now |", "|---|---|"] + [f"| `--{o}` | `--{n}` |" for o, n in old]
+        also = "Also read, in flags, YAML files and checkpoints (old names of moved settings, and aliases):"
+        lines += ["", "## Other names", "", also, ""]
+        lines += ["| other name | current name |", "|---|---|"] + [f"| `--{o}` | `--{n}` |" for o, n in old]
     return "\n".join(lines) + "\n"
 
 

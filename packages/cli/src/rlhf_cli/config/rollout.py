@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, field_validator
-from rlhf_rollout.backends import ROLLOUT_BACKENDS, BackendCapabilities, rollout_backend
+from rlhf_rollout.backends import BackendCapabilities, rollout_backend
 
 from rlhf_cli.config._base import Section
 
@@ -58,10 +58,8 @@ class RolloutConfig(Section):
     def _registered(cls, name: str) -> str:
         try:
             rollout_backend(name)  # installed plugins are loaded on a miss
-        except ValueError:
-            raise ValueError(
-                f"expected a registered rollout backend ({', '.join(sorted(ROLLOUT_BACKENDS))}), got {name!r}"
-            ) from None
+        except ValueError as err:
+            raise ValueError(str(err).removeprefix("rollout backend: ")) from None
         return name
 
     @property

@@ -61,6 +61,8 @@ class Sample:
     """Its tokens were sampled by more than one weight version (an update landed mid-generation)."""
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None
+    """The distillation teacher's log-probs of the sampled tokens (``--teacher.pretrain``)."""
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None

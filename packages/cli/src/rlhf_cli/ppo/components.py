@@ -36,10 +36,12 @@ class Components:
     reward: LearnerGroup | None
     engines: EngineClient
     sync: EngineWeightSync
+    teacher: LearnerGroup | None = None
+    """On-policy distillation's teacher (the reference group itself when they share a folder)."""
 
     def scorers(self) -> dict[str, LearnerGroup | None]:
         """The groups the experience stage runs forwards on (``make_experience``'s keywords)."""
-        return {"actor": self.actor, "ref": self.ref, "critic": self.critic}
+        return {"actor": self.actor, "ref": self.ref, "critic": self.critic, "teacher": self.teacher}
 
     def trained(self) -> dict[str, LearnerGroup | None]:
         """The groups the update stage trains (``update``'s keywords)."""
@@ -48,6 +50,7 @@ class Components:
     def groups(self) -> dict[str, LearnerGroup]:
         """Every running learner group by role."""
         named = (("actor", self.actor), ("critic", self.critic), ("ref", self.ref), ("reward", self.reward))
+        named += (("teacher", self.teacher),) if self.teacher is not self.ref else ()
         return {k: g for k, g in named if g is not None}
 
     def learner_groups(self) -> dict[str, LearnerGroup]:
@@ -95,25 +98,18 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
             strategy=strategy(c.lr, w, trained=c, role="critic"),
             model=c.model,
         )
-    if plan.group("ref"):
-        w = cfg.ref.world_size
-        specs["ref"] = GroupSpec(
-            role="ref",
-            model_path=cfg.ref.pretrain or path,
-            world_size=w,
-            strategy=strategy(a.lr, w, frozen=True),
-            model=a.model,
-            temperature=t,
-        )
-    if plan.group("reward"):
-        w = cfg.reward.world_size
-        specs["reward"] = GroupSpec(
-            role="reward",
-            model_path=str(cfg.reward.pretrain),
-            world_size=w,
-            strategy=strategy(a.lr, w, frozen=True),
-            model=a.model,
-        )
+    frozen = {  # group -> (role, folder, ranks, scores the policy's tokens at its temperature)
+        "ref": ("ref", cfg.ref.pretrain or path, cfg.ref.world_size, True),
+        "teacher": ("ref", str(cfg.teacher.pretrain), cfg.teacher.world_size, True),  # a scorer, as ref is
+        "reward": ("reward", str(cfg.reward.pretrain), cfg.reward.world_size, False),
+    }
+    for name, (role, folder, w, scores_tokens) in frozen.items():
+        if plan.group(name):
+            at = {"temperature": t} if scores_tokens else {}
+            strategy_ = strategy(a.lr, w, frozen=True)
+            specs[name] = GroupSpec(
+                role=role, model_path=folder, world_size=w, strategy=strategy_, model=a.model, **at
+            )
     return specs
 
 
@@ -122,11 +118,9 @@ LEARNER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def engine_dtype(cfg: PPOConfig) -> tuple[str, str | None]:
-    """The engines' dtype, said explicitly (vLLM's ``auto`` turns an fp32 checkpoint into bf16 on a GPU):
-    the learners' precision unless ``--rollout.dtype`` names another, and then a note saying so."""
-    learner = LEARNER_DTYPES[cfg.learner.precision]
-    chosen = cfg.rollout.dtype
-    if chosen in ("auto", learner):
+    """The engines' dtype (``PPOConfig.engine_dtype``), and a note when it is not the learners'."""
+    learner, chosen = LEARNER_DTYPES[cfg.learner.precision], cfg.engine_dtype
+    if chosen == learner:
         return learner, None
     return chosen, (
         f"--rollout.dtype {chosen} while the learners train in --learner.precision {cfg.learner.precision}: "
@@ -267,4 +261,5 @@ def start_components(
         reward=groups.get("reward"),
         engines=engines,
         sync=sync,
+        teacher=groups.get("ref") if cfg.teacher_is_reference else groups.get("teacher"),
     )

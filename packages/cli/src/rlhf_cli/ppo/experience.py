@@ -15,7 +15,9 @@ from rlhf_algos import (
     FixedKLController,
     approx_kl,
     compute_advantages,
+    distill_advantages,
     masked_mean,
+    reverse_kl,
 )
 from rlhf_cli.data.batches import Sample, pad_stack
 from rlhf_cli.ppo.settings import Batching, ExperienceSettings
@@ -50,6 +52,10 @@ class Experience:
     values_s: float
     """Seconds of the critic's forward."""
     advantages_s: float
+    teacher_s: float | None = None
+    """Seconds of the teacher's forward (None: no teacher, or the reference group is the teacher)."""
+    reverse_kl: float | None = None
+    """On-policy distillation: the student's reverse KL to the teacher per sampled token."""
     pending_reference: PendingScores | None = None
     """The reference forward, started and not waited for: the actor's ranks fetch its log-probs in the
     update (``--train.overlap_reference``); the samples' ``ref_logp`` stay unset."""
@@ -69,6 +75,10 @@ class Experience:
         }
         if self.reference_s is not None:
             out["time/reference"] = self.reference_s
+        if self.teacher_s is not None:
+            out["time/teacher"] = self.teacher_s
+        if self.reverse_kl is not None:
+            out["distill/reverse_kl"] = self.reverse_kl
         if self.logp_mismatch_mean is not None:
             out |= {
                 "sync/logp_mismatch_mean": self.logp_mismatch_mean,
@@ -143,6 +153,36 @@ def score_reference(batching: Batching, samples: Sequence[Sample], ref: ScoringG
     return seconds
 
 
+def _fill(samples: Sequence[Sample], scores: list[list | None], *, teacher_is_ref: bool) -> None:
+    """Each sample's old-policy, reference, critic and teacher scores (``_scores``' order)."""
+    old, ref_logp, values, teacher_logp = scores
+    for i, s in enumerate(samples):
+        s.old_logp = old[i] if old is not None else None
+        if ref_logp is not None:
+            s.ref_logp = ref_logp[i]
+        if values is not None:
+            s.values = values[i]
+        if teacher_logp is not None or teacher_is_ref:
+            s.teacher_logp = s.ref_logp if teacher_is_ref else teacher_logp[i]
+
+
+def _distilled(
+    settings: ExperienceSettings,
+    samples: Sequence[Sample],
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old: torch.Tensor | None,
+) -> tuple[torch.Tensor, float]:
+    """The advantages plus on-policy distillation's (rlhf-algos' ``distill_advantages``, weighted by
+    ``settings.distill_coef``), and the student's reverse KL to the teacher. The student's log-probs are
+    the old-policy forward's: a run with a teacher never skips it (``PPOConfig.exactly_on_policy``)."""
+    if old is None:
+        raise ValueError("on-policy distillation needs the old-policy forward (settings.on_policy is set)")
+    teacher = pad_stack([s.teacher_logp for s in samples])
+    extra = distill_advantages(old, teacher, mask, discount=settings.distill_discount)
+    return adv + settings.distill_coef * extra, float(reverse_kl(old, teacher, mask))
+
+
 def make_experience(
     settings: ExperienceSettings,
     samples: Sequence[Sample],
@@ -152,30 +192,26 @@ def make_experience(
     critic: ScoringGroup | None,
     kl_coef: float,
     concurrent: bool = False,
+    teacher: ScoringGroup | None = None,
 ) -> Experience:
     """Score the samples and compute advantages and returns. The old-policy forward is skipped when the
     update is exactly on-policy (``settings.on_policy``): the update step then uses the current
     log-probs, detached, and measures the KL and the engine gap itself. ``concurrent``: the groups sit on
-    different devices, so their forwards overlap. With ``settings.overlap_reference`` the
-    reference forward is started first and not waited for (``Experience.pending_reference``)."""
+    different devices, so their forwards overlap. With ``settings.overlap_reference`` the reference forward
+    is started first and not waited for (``Experience.pending_reference``). A ``teacher``'s log-probs add
+    on-policy distillation's advantage (``_distilled``)."""
     seqs = [s.token_ids for s in samples]
     scored = ref is not None and all(s.ref_logp is not None for s in samples)  # by the producer (async)
     pending = None
     b = settings.batching
     if ref is not None and not scored and settings.overlap_reference:
         pending = ref.start_forward(seqs, micro_batch_size=b.micro_batch_size, packing=b.packing)
-    groups = (
-        None if settings.on_policy else actor,
-        None if scored or pending is not None else ref,
-        critic,
-    )
-    (old, t_actor), (ref_logp, t_ref), (values, t_critic) = _scores(groups, seqs, b, concurrent=concurrent)
-    for i, s in enumerate(samples):
-        s.old_logp = old[i] if old is not None else None
-        if ref_logp is not None:
-            s.ref_logp = ref_logp[i]
-        if values is not None:
-            s.values = values[i]
+    own_teacher = teacher if teacher is not ref else None  # the reference group, scoring once for both
+    old_policy = None if settings.on_policy else actor
+    groups = (old_policy, None if scored or pending is not None else ref, critic, own_teacher)
+    scores = _scores(groups, seqs, b, concurrent=concurrent)
+    (old, t_actor), (_, t_ref), (_, t_critic), (_, t_teacher) = scores
+    _fill(samples, [logp for logp, _ in scores], teacher_is_ref=teacher is not None and own_teacher is None)
     t0 = time.perf_counter()
     mask = pad_stack([s.action_mask for s in samples])
     old_t = pad_stack([s.old_logp for s in samples]) if old is not None else None
@@ -183,6 +219,7 @@ def make_experience(
     if ref is not None and old_t is not None and pending is None:
         kl = approx_kl(old_t, pad_stack([s.ref_logp for s in samples]), settings.kl_estimator)
     adv, ret = _advantages(settings, samples, mask, kl=kl, with_values=critic is not None, kl_coef=kl_coef)
+    adv, reverse = _distilled(settings, samples, mask, adv, old_t) if teacher else (adv, None)
     for i, s in enumerate(samples):
         s.advantages, s.returns = adv[i, : s.length].clone(), ret[i, : s.length].clone()
     gap = None
@@ -201,5 +238,7 @@ def make_experience(
         reference_s=None if scored or pending is not None else t_ref,
         values_s=t_critic,
         advantages_s=time.perf_counter() - t0,
+        teacher_s=t_teacher if own_teacher is not None else None,
+        reverse_kl=reverse,
         pending_reference=pending,
     )

@@ -135,7 +135,7 @@ class RolloutStage:
     def _warn_if_uniform(self, batch: RolloutBatch) -> None:
         """Once a run: a step where no prompt's samples got different rewards (nothing to learn from)."""
         uniform, groups = batch.uniform_groups()
-        if groups and uniform == groups and not self._warned_uniform:
+        if self.settings.group_estimator and groups and uniform == groups and not self._warned_uniform:
             self._warned_uniform = True
             print(
                 f"warning: step {batch.step}: each prompt's samples all got the same reward (in every one of "

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rlhf_cli.config import PPOConfig
+from rlhf_algos import ADVANTAGE_ESTIMATORS
 from rlhf_cli.runtime.learners.specs import PolicyLossSettings
 from rlhf_rollout import SamplingParams
+
+if TYPE_CHECKING:  # the builders read a configuration; the stages that take these records never import one
+    from rlhf_cli.config import PPOConfig
 
 __all__ = [
     "Batching",
@@ -55,6 +59,9 @@ class ExperienceSettings:
     on_policy: bool
     """Skip the old-policy forward (``PPOConfig.exactly_on_policy``)."""
     engine_logprobs: bool
+    distill_coef: float = 0.0
+    """Weight of on-policy distillation's advantage (with a teacher: ``--algo.distill.coef``)."""
+    distill_discount: float = 0.0
 
     @classmethod
     def of(cls, cfg: PPOConfig) -> ExperienceSettings:
@@ -71,6 +78,8 @@ class ExperienceSettings:
             overlap_reference=cfg.reference_overlaps_update,
             on_policy=cfg.exactly_on_policy,
             engine_logprobs=cfg.rollout.logprobs,
+            distill_coef=a.distill.coef if cfg.distills else 0.0,
+            distill_discount=a.distill.discount,
         )
 
 
@@ -159,6 +168,8 @@ class RolloutSettings:
     filter_low: float
     filter_high: float
     filter_rounds: int
+    group_estimator: bool = True
+    """The estimator compares a prompt's samples (a step where none differ teaches it nothing)."""
 
     @classmethod
     def of(cls, cfg: PPOConfig) -> RolloutSettings:
@@ -179,6 +190,7 @@ class RolloutSettings:
             filter_low=df.low,
             filter_high=df.high,
             filter_rounds=df.max_rounds if df.enable else 1,
+            group_estimator=ADVANTAGE_ESTIMATORS[cfg.algo.advantage.estimator].group_shaping is not None,
         )
 
 

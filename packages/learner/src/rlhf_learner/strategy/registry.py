@@ -121,15 +121,18 @@ PLUGIN_GROUP = "rlhf.training_backends"
 """Entry-point group of installed packages' training backends (each names a module that registers one)."""
 
 
-def _load_plugins() -> None:
-    """Import every module the ``rlhf.training_backends`` entry points name (each registers its backend)."""
+def _load_plugins() -> list[str]:
+    """Import every module the ``rlhf.training_backends`` entry points name (each registers its backend);
+    one line for each that fails to import (the others still load)."""
     from importlib.metadata import entry_points
 
+    failed = []
     for ep in entry_points(group=PLUGIN_GROUP):
         try:
             ep.load()
         except Exception as err:  # a broken plugin is named, not a traceback from deep inside
-            raise ValueError(f"training backend plugin {ep.name} ({ep.value}): {err}") from err
+            failed.append(f"training backend plugin {ep.name} ({ep.value}) failed to load: {err}")
+    return failed
 
 
 def register_training_backend(name: str) -> Callable[[B], B]:
@@ -149,13 +152,13 @@ def register_training_backend(name: str) -> Callable[[B], B]:
 def training_backend(name: str) -> type:
     """The class registered as ``name`` (installed plugins loaded first when it is not registered yet); a
     one-line ValueError listing the known ones otherwise."""
-    if name not in TRAINING_BACKENDS:
-        _load_plugins()
+    failed = _load_plugins() if name not in TRAINING_BACKENDS else []
     try:
         return TRAINING_BACKENDS[name]
     except KeyError:
         known = ", ".join(sorted(TRAINING_BACKENDS))
-        raise ValueError(f"backend: expected one of {known}, got {name!r}") from None
+        why = "".join(f"; {line}" for line in failed)
+        raise ValueError(f"backend: expected one of {known}, got {name!r}{why}") from None
 
 
 def make_strategy(options: StrategyOptions) -> Any:

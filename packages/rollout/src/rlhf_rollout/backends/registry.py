@@ -80,6 +80,8 @@ class MemoryQuery:
     gpu_memory_utilization: float
     max_model_len: int
     kv_cache_gib: int
+    dtype_bytes: int = 2
+    """Bytes per weight and per cached key or value in the engines' dtype (2: bf16, 4: fp32)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +134,8 @@ class RolloutBackend:
         return num_gpus, {}
 
     def memory(self, query: MemoryQuery) -> EngineMemory:
-        """One engine process's memory: fp32 weights split over its workers; a KV cache that grows."""
-        return EngineMemory(weights_gib=query.params * 4 / query.tensor_parallel_size / _GIB)
+        """One engine process's memory: its dtype's weights split over its workers; a KV cache that grows."""
+        return EngineMemory(weights_gib=query.params * query.dtype_bytes / query.tensor_parallel_size / _GIB)
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {}
@@ -143,15 +145,18 @@ PLUGIN_GROUP = "rlhf.rollout_backends"
 """Entry-point group of installed packages' rollout backends."""
 
 
-def _load_plugins() -> None:
-    """Import the modules that installed packages name under ``rlhf.rollout_backends``."""
+def _load_plugins() -> list[str]:
+    """Import the modules that installed packages name under ``rlhf.rollout_backends``; one line for each
+    that fails to import (the others still load)."""
     from importlib.metadata import entry_points
 
+    failed = []
     for plugin in entry_points(group=PLUGIN_GROUP):
         try:
             plugin.load()
         except Exception as err:
-            raise ValueError(f"rollout backend plugin {plugin.name} ({plugin.value}): {err}") from err
+            failed.append(f"rollout backend plugin {plugin.name} ({plugin.value}) failed to load: {err}")
+    return failed
 
 
 def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
@@ -167,10 +172,12 @@ def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
 def rollout_backend(name: str) -> RolloutBackend:
     """The backend registered as ``name`` (installed plugins loaded first when it is not registered yet); a
     one-line ValueError listing the known ones otherwise."""
-    if name not in ROLLOUT_BACKENDS:
-        _load_plugins()
+    failed = _load_plugins() if name not in ROLLOUT_BACKENDS else []
     try:
         return ROLLOUT_BACKENDS[name]
     except KeyError:
         known = ", ".join(sorted(ROLLOUT_BACKENDS))
-        raise ValueError(f"rollout backend: expected one of {known}, got {name!r}") from None
+        why = "".join(f"; {line}" for line in failed)
+        raise ValueError(
+            f"rollout backend: expected a registered rollout backend ({known}), got {name!r}{why}"
+        ) from None

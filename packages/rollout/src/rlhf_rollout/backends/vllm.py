@@ -104,16 +104,16 @@ class VLLMBackend(RolloutBackend):
         return num_gpus, env
 
     def memory(self, query: MemoryQuery) -> EngineMemory:
-        """Weights (16-bit on GPU, else fp32) over the workers, and the KV cache: pre-allocated in host
-        memory on CPU (``kv_cache_gib``); on GPU what the weights leave of the device's fraction."""
-        tp = query.tensor_parallel_size
-        weights = query.params * (2 if query.gpu else 4) / tp / _GIB
+        """Weights in the engines' dtype over the workers, and the KV cache: pre-allocated in host memory on
+        CPU (``kv_cache_gib``); on GPU what the weights leave of the device's fraction."""
+        tp, width = query.tensor_parallel_size, query.dtype_bytes
+        weights = query.params * width / tp / _GIB
         if not query.gpu:
             return EngineMemory(weights_gib=weights, kv_gib=float(query.kv_cache_gib), kv_on_host=True)
         util = query.gpu_memory_utilization
         if query.device_gib is None:
             return EngineMemory(weights_gib=weights, note=f"KV: the rest of {util:g} of the device")
-        per_token = 2 * query.layers * query.kv_dim * 2 / tp  # K and V, 16-bit, heads split over TP
+        per_token = 2 * query.layers * query.kv_dim * width / tp  # K and V, heads split over TP
         return EngineMemory(
             weights_gib=weights,
             kv_gib=util * query.device_gib - weights,

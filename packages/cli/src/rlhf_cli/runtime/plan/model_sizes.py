@@ -49,6 +49,7 @@ class ModelSizes:
     critic: ModelShape | None = None
     ref: ModelShape | None = None
     reward: ModelShape | None = None
+    teacher: ModelShape | None = None
 
     def of(self, group: str) -> ModelShape:
         return getattr(self, group, None) or self.actor
@@ -162,7 +163,7 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
     """Each group's model from its own folder flag, else the policy's: ``actor_dir`` when resolved (the
     built demo), else ``--actor.pretrain`` / ``--model.pretrain`` (unset: the demo). The critic
     (``--critic.pretrain``), the reward model (``--reward.pretrain``) and ``rlhf rm``'s model have value
-    heads; the reference is ``--ref.pretrain``."""
+    heads; the reference is ``--ref.pretrain``, the teacher ``--teacher.pretrain``."""
     if not isinstance(cfg, PPOConfig):
         policy = actor_dir if actor_dir is not None else cfg.model.pretrain
         ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
@@ -176,6 +177,7 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
     critic: ModelShape | None = None
     ref: ModelShape | None = None
     reward: ModelShape | None = None
+    teacher = model_shape(cfg.teacher.pretrain, flag="--teacher.pretrain") if cfg.distills else None
     if cfg.uses_critic:
         flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
         critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
@@ -188,12 +190,13 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         "--critic.pretrain": (cfg.critic.pretrain, critic),
         "--ref.pretrain": (cfg.ref.pretrain, ref),
         "--reward.pretrain": (cfg.reward.pretrain, reward),
+        "--teacher.pretrain": (cfg.teacher.pretrain, teacher),
     }
     given = {flag: (f, shape) for flag, (f, shape) in others.items() if f is not None and shape is not None}
     mine = _tokenizer(policy) if given else None  # loaded once for all of them
     for flag, (folder, shape) in given.items():  # each reads the policy's token ids
         check_same_tokens(mine, actor, folder, shape, flag=flag)
-    return ModelSizes(actor=actor, critic=critic, ref=ref, reward=reward)
+    return ModelSizes(actor=actor, critic=critic, ref=ref, reward=reward, teacher=teacher)
 
 
 def activation_bytes(

@@ -123,6 +123,7 @@ def _engines_group(cfg: PPOConfig, shape: ModelShape, bundle: dict, resources: C
             gpu_memory_utilization=util,
             max_model_len=max_len,
             kv_cache_gib=cfg.rollout.kv_cache_gib,
+            dtype_bytes=2 if cfg.engine_dtype == "bfloat16" else 4,
         )
     )
     parts = {"weights": mem.weights_gib} | ({"KV": mem.kv_gib} if mem.kv_gib is not None else {})
@@ -212,6 +213,27 @@ def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: R
     _check_memory(groups, resources, ray_cfg)
 
 
+def _weight_sync_transport(cfg: PPOConfig, resources: ClusterResources) -> tuple[str, str]:
+    """The transport ``--weightsync.transport`` resolves to on this placement, and why it fits."""
+    from rlhf_weightsync import select_transport
+
+    one_host = len(set(resources.node_ips)) <= 1
+    receivers = rollout_backend(cfg.rollout.backend).capabilities.gpu_weight_transports
+    with_actor = any({"actor", "engines"} <= set(s) for s in cfg.colocated)
+    share = min(cfg.ray.gpus_per_worker, 0.5) if with_actor else cfg.ray.gpus_per_worker
+    try:
+        transport = select_transport(
+            cfg.weightsync.transport,
+            gpu=resources.gpus > 0,
+            one_host=one_host,
+            gpu_receivers=receivers,
+            gpus_per_worker=share,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return transport, gpu_transport_reason(transport, with_actor=with_actor, share=share, gpus=resources.gpus)
+
+
 def gpu_transport_reason(transport: str, *, with_actor: bool, share: float, gpus: int) -> str:
     """Why a GPU transport fits this placement, or a one-line ConfigError when nothing guarantees it:
     CUDA IPC needs every engine on actor rank 0's GPU (colocated with the actor, or one GPU in all), NCCL a
@@ -295,7 +317,7 @@ def _check_4bit(lora: Any, flag: str, resources: ClusterResources) -> None:
 
 
 def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
-    """actor, and critic / ref / reward when the run uses them."""
+    """actor, and critic / ref / teacher / reward when the run uses them."""
     out = []
     for name, group, used in (("actor", cfg.actor, True), ("critic", cfg.critic, cfg.uses_critic)):
         gc, gc_flag = group.model.gradient_checkpointing, f"--{name}.model.gradient_checkpointing"
@@ -303,7 +325,11 @@ def _ppo_learners(cfg: PPOConfig) -> list[_Learner]:
         shape = _Learner(name, group.world_size, True, gc, gc_flag, lora=lora, nodes=group.num_nodes)
         out += [shape] if used else []
     if cfg.uses_reference:
-        out.append(_Learner("ref", cfg.ref.world_size, False, nodes=cfg.ref.num_nodes))
+        note = "frozen; the teacher too" if cfg.teacher_is_reference else "frozen"
+        out.append(_Learner("ref", cfg.ref.world_size, False, note=note, nodes=cfg.ref.num_nodes))
+    if cfg.distills and not cfg.teacher_is_reference:
+        note = "frozen teacher"
+        out.append(_Learner("teacher", cfg.teacher.world_size, False, note=note, nodes=cfg.teacher.num_nodes))
     if cfg.reward.source == "model":
         note = "frozen reward model"
         out.append(_Learner("reward", cfg.reward.world_size, False, note=note, nodes=cfg.reward.num_nodes))
@@ -321,6 +347,7 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
         "critic": sizes.critic,
         "reference": sizes.ref,
         "reward model": sizes.reward,
+        "teacher": sizes.teacher,
     }
     check_positions(cfg.rollout.max_model_len, "--rollout.max_model_len", models)
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
@@ -328,7 +355,13 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     load = (cfg.rollout.max_model_len, cfg.train.micro_batch_size) if gpu else None
     keep = cfg.train.offload_during_rollout
     groups = [_learner_group(s, sizes.of(s.name), cfg.learner, per, load, keep) for s in _ppo_learners(cfg)]
-    shapes = {"actor": cfg.actor, "critic": cfg.critic, "ref": cfg.ref, "reward": cfg.reward}
+    shapes = {
+        "actor": cfg.actor,
+        "critic": cfg.critic,
+        "ref": cfg.ref,
+        "teacher": cfg.teacher,
+        "reward": cfg.reward,
+    }
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     groups.append(_engines_group(cfg, sizes.of("engines"), per, resources))
@@ -346,23 +379,7 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     check_engine_workers(groups, resources, tp=tp, engines=n)
     engines = f"--rollout.num_engines {n} x --rollout.tensor_parallel_size {tp} engine process(es)"
     _check_fits(groups, resources, cfg.ray, f"{engines} and the learner groups")
-    from rlhf_weightsync import select_transport
-
-    one_host = len(set(resources.node_ips)) <= 1
-    receivers = rollout_backend(cfg.rollout.backend).capabilities.gpu_weight_transports
-    with_actor = any({"actor", "engines"} <= set(s) for s in cfg.colocated)
-    share = min(cfg.ray.gpus_per_worker, 0.5) if with_actor else cfg.ray.gpus_per_worker
-    try:
-        transport = select_transport(
-            cfg.weightsync.transport,
-            gpu=gpu,
-            one_host=one_host,
-            gpu_receivers=receivers,
-            gpus_per_worker=share,
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    why = gpu_transport_reason(transport, with_actor=with_actor, share=share, gpus=resources.gpus)
+    transport, why = _weight_sync_transport(cfg, resources)
     plan = _plan(groups, resources, transport, sizes.actor.params, reason=why)
     plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None, engines=n * tp))
     return plan

@@ -211,7 +211,7 @@ class RunSetup:
 
 
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final_model")
-"""What a run leaves in its folder: any of them means the folder holds a run."""
+"""What a run leaves in its folder (the first is what makes it one: a run that trained wrote it)."""
 RUN_OUTPUTS = (*RUN_MARKERS, "final_adapter", "summary.txt", "tensorboard", "config.yaml")
 """What ``--logger.overwrite`` deletes (the curves too: ``*_curve.png``); nothing else in the folder."""
 
@@ -220,7 +220,7 @@ def claim_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool) -> None:
     """Refuse a folder that holds a previous run (in one line naming what was found), unless the run
     resumes it; with ``overwrite``, delete that run's outputs first."""
     found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
-    if not found or resuming:
+    if not (run_dir / RUN_MARKERS[0]).is_file() or resuming:  # no run's metrics: nothing of a run to lose
         return
     if not overwrite:
         raise ConfigError(
@@ -255,7 +255,7 @@ def prepare_run(
         print(f"--ckpt.load_enable: resuming from {found} (step {state.step})", file=sys.stderr)
     elif cfg.ckpt.load_enable:
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
-    claim_run_dir(run_dir, resuming=cfg.ckpt.load_enable, overwrite=cfg.logger.overwrite)
+    claim_run_dir(run_dir, resuming=found is not None, overwrite=cfg.logger.overwrite)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))

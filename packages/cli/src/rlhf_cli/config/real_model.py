@@ -1,0 +1,30 @@
+"""Defaults for a real model: what ``rlhf ppo`` takes where the user set nothing and named a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["REAL_MODEL_DEFAULTS", "model_positions"]
+
+REAL_MODEL_DEFAULTS = {
+    "actor.lr": 1e-6,
+    "critic.lr": 9e-6,
+    "rollout.max_model_len": 2048,
+    "rollout.max_new_tokens": 1024,
+}
+"""What an unset setting takes once --actor.pretrain names a model (OpenRLHF's defaults); the defaults
+``--help`` shows fit the built-in demo's tiny model. The sequence length is held to the model's positions,
+and the new tokens to half of it."""
+
+
+def model_positions(folder: str) -> int | None:
+    """The longest sequence a model folder's ``config.json`` allows (its text model's, for a
+    vision-language one); None when it cannot say (no such file yet: the model check says why later)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    positions = text.get("max_position_embeddings")
+    return positions if isinstance(positions, int) and positions > 0 else None
