@@ -91,6 +91,7 @@ class MidBatchSyncs(Engines):
 class _Sampled:
     def __init__(self, version: int) -> None:
         self.weight_version = version
+        self.mixed_versions = False
 
 
 def drive(

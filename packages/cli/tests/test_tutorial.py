@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rlhf_testkit import SocketWatcher
 
 TUTORIAL = Path(__file__).resolve().parents[3] / "docs" / "tutorial.md"
 
@@ -52,11 +53,15 @@ def test_tutorial_runs_as_written_and_shows_what_it_says(tmp_path, ray_cluster):
         start_new_session=True,  # the background server goes with the whole group if a step fails
     )
     try:
-        out, _ = proc.communicate(timeout=900)
+        with SocketWatcher(proc.pid) as sockets:  # every command's processes, serve-rm's server included
+            out, _ = proc.communicate(timeout=900)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the server, if the script did not stop it
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-6000:]
+    assert any(s.port == 8765 and s.protocol == "tcp" for s in sockets.seen), sockets.seen  # serve-rm, seen
+    exposed = sorted(str(s) for s in sockets.seen if not s.loopback)
+    assert not exposed, exposed  # TCP and UDP: nothing the commands open is reachable off this machine
     runs = tmp_path / "runs"
     # 1. SFT: the held-out loss falls
     sft = metrics(runs / "sft")

@@ -18,6 +18,8 @@ class ListeningSocket:
     port: int
     pid: int
     name: str
+    protocol: str = "tcp"
+    """``tcp`` (a socket in LISTEN state) or ``udp`` (a bound socket with no peer: it takes datagrams)."""
 
     @property
     def loopback(self) -> bool:
@@ -41,17 +43,24 @@ def process_tree(pid: int) -> list[psutil.Process]:
 
 
 def listening_sockets(pid: int) -> set[ListeningSocket]:
-    """The TCP sockets in LISTEN state of ``pid``'s process tree, now."""
+    """The sockets of ``pid``'s process tree that others can reach, now: TCP in LISTEN state, and UDP
+    bound without a peer."""
+    import socket
+
     found = set()
     for proc in process_tree(pid):
         try:
             name = proc.name()
-            conns = proc.net_connections(kind="tcp")
+            conns = proc.net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         for c in conns:
-            if c.status == psutil.CONN_LISTEN:
-                found.add(ListeningSocket(ip=c.laddr.ip, port=c.laddr.port, pid=proc.pid, name=name))
+            udp = c.type == socket.SOCK_DGRAM and not c.raddr
+            if (c.status == psutil.CONN_LISTEN or udp) and c.laddr:
+                kind = "udp" if udp else "tcp"
+                found.add(
+                    ListeningSocket(ip=c.laddr.ip, port=c.laddr.port, pid=proc.pid, name=name, protocol=kind)
+                )
     return found
 
 
