@@ -104,15 +104,7 @@ def test_a_stop_failing_after_a_good_run_is_raised_after_the_other_exits(monkeyp
 
 
 def test_a_short_runs_curve_has_whole_step_ticks(tmp_path):
-    tracker = Tracker(
-        tmp_path,
-        tensorboard=False,
-        wandb_project=None,
-        progress=False,
-        total_steps=3,
-        config={},
-        display=SFT_DISPLAY,
-    )
+    tracker = _tracker(tmp_path)
     key = next(iter(SFT_DISPLAY.curves))
     tracker.history = [{"step": s, key: 1.0 / s} for s in (1, 2, 3)]
     ticks = [t for t in tracker.curve_figure().axes[0].get_xticks() if 1 <= t <= 3]

@@ -95,11 +95,15 @@ class PPOConfig(Section):
         )
 
     @property
+    def learner_dtype(self) -> str:
+        """``--learner.precision`` as the engines' dtype that computes the same log-probs."""
+        return {"bf16": "bfloat16", "fp32": "float32"}[self.learner.precision]
+
+    @property
     def engine_dtype(self) -> str:
         """The engines' dtype, said explicitly (vLLM's ``auto`` would turn an fp32 checkpoint into bf16 on a
         GPU): ``--rollout.dtype``, or the learners' precision for ``auto``."""
-        learner = {"bf16": "bfloat16", "fp32": "float32"}[self.learner.precision]
-        return learner if self.rollout.dtype == "auto" else self.rollout.dtype
+        return self.learner_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
     @property
     def rewarded(self) -> bool:

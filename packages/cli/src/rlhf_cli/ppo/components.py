@@ -113,13 +113,9 @@ def _specs(cfg: PPOConfig, plan: Plan, path: str, resume_from: Path | None) -> d
     return specs
 
 
-LEARNER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-"""``--learner.precision`` -> the engines' dtype that computes the same log-probs."""
-
-
 def engine_dtype(cfg: PPOConfig) -> tuple[str, str | None]:
     """The engines' dtype (``PPOConfig.engine_dtype``), and a note when it is not the learners'."""
-    learner, chosen = LEARNER_DTYPES[cfg.learner.precision], cfg.engine_dtype
+    learner, chosen = cfg.learner_dtype, cfg.engine_dtype
     if chosen == learner:
         return learner, None
     return chosen, (
