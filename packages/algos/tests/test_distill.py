@@ -1,8 +1,16 @@
-"""On-policy distillation's per-token advantage, against its closed form on hand-made log-probs."""
+"""Distillation math: on-policy advantages and offline divergences, against closed forms on hand-made log-probs."""
 
 import pytest
 import torch
-from rlhf_algos import AdvantageInputs, compute_advantages, distill_advantages, reverse_kl
+from rlhf_algos import (
+    AdvantageInputs,
+    compute_advantages,
+    distill_advantages,
+    generalized_jsd,
+    renormalize,
+    reverse_kl,
+    token_divergence,
+)
 
 
 def test_the_advantage_is_the_teachers_log_prob_minus_the_students_per_sampled_token():
@@ -34,3 +42,47 @@ def test_the_distill_estimator_ignores_the_scores_and_mixing_at_zero_is_the_rewa
     student, teacher = torch.randn(4, 3), torch.randn(4, 3)
     mixed = grpo + 0.0 * distill_advantages(student, teacher, mask)
     torch.testing.assert_close(mixed, grpo)
+
+
+def _dist(*probs: float) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def test_each_divergence_equals_its_closed_form_on_a_hand_made_pair():
+    s, t = _dist(0.5, 0.25, 0.25), _dist(0.25, 0.25, 0.5)
+    ps, pt = s.exp(), t.exp()
+    fwd = float((pt * (pt / ps).log()).sum())
+    rev = float((ps * (ps / pt).log()).sum())
+    assert float(token_divergence(s, t, loss="forward_kl")) == pytest.approx(fwd)
+    assert float(token_divergence(s, t, loss="reverse_kl")) == pytest.approx(rev)
+    m = 0.3 * pt + 0.7 * ps
+    jsd = 0.3 * float((pt * (pt / m).log()).sum()) + 0.7 * float((ps * (ps / m).log()).sum())
+    assert float(token_divergence(s, t, loss="jsd", beta=0.3)) == pytest.approx(jsd)
+
+
+def test_divergences_vanish_when_the_student_is_the_teacher_and_handle_zero_probabilities():
+    t = torch.log_softmax(torch.randn(4, 7), -1)
+    for loss in ("forward_kl", "reverse_kl", "jsd"):
+        torch.testing.assert_close(token_divergence(t, t, loss=loss), torch.zeros(4), atol=1e-6, rtol=0)
+    s, t = _dist(0.5, 0.5, 0.0), _dist(0.5, 0.25, 0.25)
+    assert torch.isfinite(token_divergence(s, t, loss="reverse_kl"))  # 0 log 0 = 0
+    assert torch.isinf(
+        token_divergence(s, t, loss="forward_kl")
+    )  # the teacher's mass where the student has none
+
+
+def test_jsd_tends_to_the_scaled_kls_at_its_ends_and_checks_beta():
+    s, t = torch.log_softmax(torch.randn(5), -1), torch.log_softmax(torch.randn(5), -1)
+    b = 1e-4
+    fwd, rev = token_divergence(s, t, loss="forward_kl"), token_divergence(s, t, loss="reverse_kl")
+    assert float(generalized_jsd(s, t, b) / b) == pytest.approx(float(fwd), rel=1e-2)
+    assert float(generalized_jsd(s, t, 1 - b) / b) == pytest.approx(float(rev), rel=1e-2)
+    with pytest.raises(ValueError, match="beta"):
+        generalized_jsd(s, t, 1.0)
+
+
+def test_renormalizing_the_whole_vocabulary_changes_nothing_and_a_subset_sums_to_one():
+    logp = torch.log_softmax(torch.randn(3, 9), -1)
+    torch.testing.assert_close(renormalize(logp), logp)
+    top = renormalize(logp.topk(4, dim=-1).values)
+    torch.testing.assert_close(top.exp().sum(-1), torch.ones(3))

@@ -5,7 +5,14 @@ Each formula is one function whose docstring states the math and cites the paper
 
 from rlhf_algos.aggregate import LossAggregation, aggregate_loss, sft_loss
 from rlhf_algos.correction import ISCorrection, vllm_is_weights
-from rlhf_algos.distill import distill_advantages, reverse_kl
+from rlhf_algos.distill import (
+    DistillLoss,
+    distill_advantages,
+    generalized_jsd,
+    renormalize,
+    reverse_kl,
+    token_divergence,
+)
 from rlhf_algos.estimators import (
     ADVANTAGE_ESTIMATORS,
     BUILTIN_ESTIMATORS,
@@ -46,6 +53,7 @@ __all__ = [
     "AdvantageInputs",
     "DPOLossOutput",
     "DPOVariant",
+    "DistillLoss",
     "EstimatorName",
     "FixedKLController",
     "GroupShaping",
@@ -62,6 +70,7 @@ __all__ = [
     "dpo_loss",
     "dynamic_filter",
     "gae",
+    "generalized_jsd",
     "group_shaped_rewards",
     "kto_kl_baseline",
     "kto_loss",
@@ -73,9 +82,11 @@ __all__ = [
     "pairwise_rm_loss",
     "policy_loss",
     "register_estimator",
+    "renormalize",
     "reverse_kl",
     "sft_loss",
     "stop_penalty",
+    "token_divergence",
     "token_level_rewards",
     "value_loss",
     "vllm_is_weights",

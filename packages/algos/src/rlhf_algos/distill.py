@@ -1,13 +1,25 @@
-"""On-policy distillation: a teacher scores every token the student sampled."""
+"""Distillation: on-policy (a teacher scores every token the student sampled) and offline (the student's
+next-token distribution pulled towards the teacher's, over the vocabulary or the teacher's top k)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
 from rlhf_algos.masked import masked_mean
 from rlhf_algos.returns import discounted_returns
 
-__all__ = ["distill_advantages", "reverse_kl"]
+__all__ = [
+    "DistillLoss",
+    "distill_advantages",
+    "generalized_jsd",
+    "renormalize",
+    "reverse_kl",
+    "token_divergence",
+]
+
+DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
 
 
 def distill_advantages(
@@ -31,3 +43,52 @@ def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: tor
     """The sampled estimate of ``KL(pi_theta || pi_T)`` per token: ``mean_t (log pi_theta - log pi_T)``
     over the action tokens (the student's samples make it unbiased; Schulman's k1)."""
     return masked_mean(student_logp - teacher_logp, mask)
+
+
+def renormalize(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs over a subset of the vocabulary (the teacher's top k) made a distribution on it:
+    ``log p_i - log sum_j p_j`` over the last axis (no change when the subset is the whole vocabulary)."""
+    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+
+
+def _kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+    """``KL(p || q) = sum_v p_v (log p_v - log q_v)`` over the last axis (0 log 0 = 0)."""
+    p = p_logp.exp()
+    return torch.where(p > 0, p * (p_logp - q_logp), torch.zeros_like(p)).sum(-1)
+
+
+def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalized Jensen-Shannon divergence (Agarwal et al., 2024, arXiv:2306.13649, Eq. 2),
+    with ``M = beta * p_T + (1 - beta) * p_S``:
+
+    ``JSD(beta) = beta * KL(p_T || M) + (1 - beta) * KL(p_S || M)``,
+
+    per position over the last axis (log-probs in, ``beta`` in (0, 1); beta = 0.5 is the symmetric JSD).
+    As beta nears 0 it behaves like ``beta * KL(p_T || p_S)`` (forward), as it nears 1 like
+    ``(1 - beta) * KL(p_S || p_T)`` (reverse)."""
+    if not 0 < beta < 1:
+        raise ValueError(f"beta: expected a value in (0, 1), got {beta}")
+    b = torch.tensor(beta, dtype=student_logp.dtype, device=student_logp.device)
+    mix = torch.logsumexp(torch.stack([teacher_logp + b.log(), student_logp + (1 - b).log()]), dim=0)
+    return beta * _kl(teacher_logp, mix) + (1 - beta) * _kl(student_logp, mix)
+
+
+def token_divergence(
+    student_logp: torch.Tensor, teacher_logp: torch.Tensor, *, loss: DistillLoss, beta: float = 0.5
+) -> torch.Tensor:
+    """Per-position divergence of the student's next-token distribution from the teacher's, ``[...]`` from
+    ``[..., V]`` log-probs over the same tokens (the vocabulary, or the teacher's top k, each renormalised
+    there with :func:`renormalize`):
+
+    - ``forward_kl``: ``KL(p_T || p_S)``, classic knowledge distillation (Hinton et al., 2015,
+      arXiv:1503.02531): mode-covering;
+    - ``reverse_kl``: ``KL(p_S || p_T)``, mode-seeking (Gu et al., 2024, MiniLLM, arXiv:2306.08543);
+    - ``jsd``: :func:`generalized_jsd` with ``beta`` (GKD).
+    """
+    if loss == "forward_kl":
+        return _kl(teacher_logp, student_logp)
+    if loss == "reverse_kl":
+        return _kl(student_logp, teacher_logp)
+    if loss == "jsd":
+        return generalized_jsd(student_logp, teacher_logp, beta)
+    raise ValueError(f"loss: expected forward_kl, reverse_kl or jsd, got {loss!r}")

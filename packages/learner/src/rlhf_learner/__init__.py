@@ -19,6 +19,7 @@ from rlhf_learner.models import (
 )
 from rlhf_learner.packing import balance_micro_batches, pack_sequences, unpack
 from rlhf_learner.steps import (
+    DistillBatch,
     DPOBatch,
     KTOBatch,
     ModelRows,
@@ -29,11 +30,13 @@ from rlhf_learner.steps import (
     StepResult,
     ValueBatch,
     critic_step,
+    distill_step,
     dpo_step,
     kto_step,
     ppo_actor_step,
     reward_model_step,
     sft_step,
+    teacher_distributions,
 )
 from rlhf_learner.strategy import Strategy, StrategyOptions, build_ds_config, gather_params, init_distributed
 
@@ -43,6 +46,7 @@ __all__ = [
     "Actor",
     "Critic",
     "DPOBatch",
+    "DistillBatch",
     "KTOBatch",
     "LoraOptions",
     "ModelOptions",
@@ -60,6 +64,7 @@ __all__ = [
     "balance_micro_batches",
     "build_ds_config",
     "critic_step",
+    "distill_step",
     "dpo_step",
     "gather_params",
     "init_distributed",
@@ -74,5 +79,6 @@ __all__ = [
     "reward_model_step",
     "save_adapter",
     "sft_step",
+    "teacher_distributions",
     "unpack",
 ]

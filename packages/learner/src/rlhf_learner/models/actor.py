@@ -57,6 +57,19 @@ class ActorOutput(NamedTuple):
     """``[B, T]`` entropy of the distribution that predicted token ``t`` (same alignment), or None."""
     aux_loss: torch.Tensor | None
     """The mixture-of-experts router auxiliary loss, when requested and the model has one."""
+    vocab_logp: torch.Tensor | None = None
+    """``[B, T, V]``: the whole distribution that predicted token ``t`` (log-probs, float32), when
+    requested (distillation); zeros where no prediction exists."""
+
+
+def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor | None) -> torch.Tensor:
+    """``[R, L, V]`` log-softmax of the predictions, shifted onto the tokens they predict (column 0, and
+    each packed sequence's first token, have none: zeros)."""
+    z = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    out = torch.cat([z.new_zeros(z.shape[0], 1, z.shape[-1]), z], dim=1)
+    if starts is not None:
+        out = out.masked_fill((starts.to(out.device) == 0).unsqueeze(-1), 0.0)
+    return out
 
 
 def load_causal_lm(
@@ -162,11 +175,14 @@ class Actor(nn.Module):
         position_ids: torch.Tensor | None = None,
         return_entropy: bool = False,
         return_aux_loss: bool = False,
+        return_vocab_logp: bool = False,
     ) -> ActorOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
         packed = position_ids  # as the caller gave them: packed rows
         position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
+        if return_vocab_logp and self.sp_group is not None:
+            raise ValueError("return_vocab_logp: not with sequence parallelism (each rank holds a chunk)")
         if self.sp_group is not None:
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
         kwargs: dict[str, Any] = {}
@@ -192,7 +208,8 @@ class Actor(nn.Module):
         logp = back(shift_to_inputs(lp, starts))
         entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None
-        return ActorOutput(logp, entropy, aux)
+        vocab = back(_vocab_logp(out.logits, self.temperature, starts)) if return_vocab_logp else None
+        return ActorOutput(logp, entropy, aux, vocab)
 
     def _ring_forward(
         self,

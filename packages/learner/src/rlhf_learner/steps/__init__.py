@@ -1,7 +1,7 @@
-"""Update steps: PPO actor and critic, SFT, reward model, DPO, KTO.
+"""Update steps: PPO actor and critic, SFT, reward model, DPO, KTO, distillation.
 
 Each step takes typed micro-batches (``PolicyBatch``, ``ValueBatch``, ``SFTBatch``, ``RewardBatch``,
-``DPOBatch``, ``KTOBatch``: shapes checked when built) and its loss function as an argument (the
+``DPOBatch``, ``KTOBatch``, ``DistillBatch``: shapes checked when built) and its loss function as an argument (the
 learner does not import rlhf-algos), and normalises the loss over the whole gradient-accumulation window and all data-parallel ranks.
 """
 
@@ -15,6 +15,7 @@ from rlhf_learner.steps._window import (
     run_window,
 )
 from rlhf_learner.steps.batches import (
+    DistillBatch,
     DPOBatch,
     KTOBatch,
     ModelRows,
@@ -23,8 +24,10 @@ from rlhf_learner.steps.batches import (
     SFTBatch,
     ValueBatch,
 )
+from rlhf_learner.steps.distill import distill_step, teacher_distributions
 from rlhf_learner.steps.losses import (
     AggregateFn,
+    DivergenceFn,
     DPOLossFn,
     ISWeightsFn,
     KLBaselineFn,
@@ -43,6 +46,8 @@ __all__ = [
     "AggregateFn",
     "DPOBatch",
     "DPOLossFn",
+    "DistillBatch",
+    "DivergenceFn",
     "ISWeightsFn",
     "KLBaselineFn",
     "KLLossFn",
@@ -62,6 +67,7 @@ __all__ = [
     "ValueLossFn",
     "WindowCounts",
     "critic_step",
+    "distill_step",
     "dpo_step",
     "kto_step",
     "loss_tensor",
@@ -73,4 +79,5 @@ __all__ = [
     "run_window",
     "sequence_logp",
     "sft_step",
+    "teacher_distributions",
 ]

@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "DPOBatch",
+    "DistillBatch",
     "KTOBatch",
     "ModelRows",
     "PolicyBatch",
@@ -174,3 +175,28 @@ class KTOBatch(ModelRows):
         n = self._paired_rows()
         self._expect_rows("ref_logp", 2 * n)
         self._expect_rows("desirable", n)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DistillBatch(ModelRows):
+    """A micro-batch of :func:`~rlhf_learner.steps.distill_step`: rows (padded or packed) and the teacher's
+    next-token distribution at each of the ``N`` target tokens (``loss_mask``, in row-major order), over
+    ``K`` tokens: its top k, or the whole vocabulary."""
+
+    loss_mask: torch.Tensor
+    """True on the target tokens."""
+    teacher_logp: torch.Tensor
+    """``[N, K]`` the teacher's log-probs of ``teacher_ids`` where each target token was predicted."""
+    teacher_ids: torch.Tensor
+    """``[N, K]`` the token ids they are of."""
+
+    per_row: ClassVar[tuple[str, ...]] = ("teacher_logp", "teacher_ids")
+
+    def _check_rows(self) -> None:
+        n = int(self.loss_mask.bool().sum())
+        lp, ids = self.teacher_logp, self.teacher_ids
+        if lp.dim() != 2 or lp.shape[0] != n or tuple(ids.shape) != tuple(lp.shape):
+            raise ValueError(
+                f"DistillBatch.teacher_logp / teacher_ids: shapes {tuple(lp.shape)} / {tuple(ids.shape)}, "
+                f"expected ({n}, K) each (one row per target token)"
+            )

@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "AggregateFn",
     "DPOLossFn",
+    "DivergenceFn",
     "ISWeightsFn",
     "KLBaselineFn",
     "KLLossFn",
@@ -120,3 +121,10 @@ class KLBaselineFn(Protocol):
     """KTO's reference point (a scalar) from the mismatched rows' policy and reference log-probs."""
 
     def __call__(self, policy_kl_logp: torch.Tensor, ref_kl_logp: torch.Tensor) -> torch.Tensor: ...
+
+
+class DivergenceFn(Protocol):
+    """Per-token divergence ``[N]`` of the student's distribution from the teacher's, each given as
+    ``[N, K]`` log-probs of the same K tokens (the student's normalised over the whole vocabulary)."""
+
+    def __call__(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor: ...

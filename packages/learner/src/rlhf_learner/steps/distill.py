@@ -1,0 +1,65 @@
+"""Offline knowledge distillation: the teacher's next-token distributions (top k or whole) and the step
+that pulls the student's towards them. The divergence comes in as a function."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf_learner.steps._window import StepResult, TrainEngine, WindowCounts, masked_counts, run_window
+from rlhf_learner.steps.batches import DistillBatch, ModelRows
+from rlhf_learner.steps.losses import DivergenceFn
+
+__all__ = ["distill_step", "teacher_distributions"]
+
+
+@torch.no_grad()
+def teacher_distributions(
+    model: Any, rows: ModelRows, loss_mask: torch.Tensor, *, top_k: int | None, vocab: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution that predicted each ``loss_mask`` token (row-major), under ``model`` (an
+    ``Actor``): ``(logp, ids)``, each ``[N, K]``, the ``top_k`` most likely tokens (None: all of them, in
+    id order). ``vocab``: only the first ``vocab`` logits count (the student's; a teacher's embedding
+    may be padded beyond it), renormalised over them."""
+    rows = rows.to(next(model.parameters()).device)
+    full = model(rows.input_ids, **rows.model_inputs(), return_vocab_logp=True).vocab_logp
+    picked = full[loss_mask.to(full.device).bool()]
+    if vocab is not None and vocab < picked.shape[-1]:
+        picked = torch.log_softmax(picked[:, :vocab], dim=-1)
+    if top_k is None:
+        ids = torch.arange(picked.shape[-1], device=picked.device).expand_as(picked)
+        return picked, ids
+    if top_k > picked.shape[-1]:
+        raise ValueError(f"top_k: {top_k} is more than the vocabulary's {picked.shape[-1]} tokens")
+    top = picked.topk(top_k, dim=-1)
+    return top.values, top.indices
+
+
+def distill_step(
+    engine: TrainEngine, micro_batches: Sequence[DistillBatch], *, divergence_fn: DivergenceFn
+) -> StepResult:
+    """Knowledge distillation. ``engine`` wraps an ``Actor``; each micro-batch is a
+    :class:`~rlhf_learner.steps.DistillBatch`. At each target token the student's log-probs of the
+    teacher's K tokens are gathered from its whole distribution, and the loss is the token mean over the
+    step of ``divergence_fn(student_logp, teacher_logp)`` (e.g. rlhf-algos' ``token_divergence`` over
+    ``renormalize``-d log-probs). Metrics: ``divergence`` (the same mean) and ``nll`` of the targets."""
+
+    def compute(mb: DistillBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = engine(mb.input_ids, **mb.model_inputs(), return_vocab_logp=True)
+        mask = mb.loss_mask.bool()
+        student = out.vocab_logp[mask].gather(-1, mb.teacher_ids.long())
+        div = divergence_fn(student, mb.teacher_logp.to(student.dtype))
+        loss = div.sum() / c.global_tokens * c.dp_size
+        nll = -(out.logp.detach().float() * mask).sum()
+        return loss, {"divergence": div.detach().sum(), "nll": nll}
+
+    return run_window(
+        engine,
+        micro_batches,
+        batch_type=DistillBatch,
+        count=lambda mb: masked_counts(mb.loss_mask),
+        compute=compute,
+        token_metrics=("divergence", "nll"),
+    )

@@ -1,0 +1,131 @@
+"""Offline distillation: the teacher's top-k distributions, and the step that moves a student towards them
+(real DeepSpeed engines on a gloo group of one; the divergence from rlhf-algos, as the CLI binds it)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from rlhf_algos import renormalize, token_divergence
+from rlhf_learner.models import Actor, load_causal_lm, load_reference
+from rlhf_learner.packing import pack_sequences
+from rlhf_learner.steps import DistillBatch, ModelRows, distill_step, teacher_distributions
+from rlhf_learner.strategy import Strategy, StrategyOptions
+from rlhf_testkit import TinyModelSpec, build_tiny_model
+
+
+def _divergence(loss: str):
+    def fn(student, teacher):
+        return token_divergence(renormalize(student), renormalize(teacher), loss=loss)
+
+    return fn
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    return build_tiny_model(tmp_path_factory.mktemp("teacher"), spec)
+
+
+def _seqs(seed: int, lengths=(9, 4, 13, 6)) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[:2] = False  # a two-token prompt
+        out.append({"input_ids": torch.randint(3, 400, (n,), generator=g), "loss_mask": mask})
+    return out
+
+
+def _padded(seqs: list[dict]) -> dict:
+    width = max(len(s["input_ids"]) for s in seqs)
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, width - len(x)))
+
+    return {
+        "input_ids": torch.stack([pad(s["input_ids"]) for s in seqs]),
+        "loss_mask": torch.stack([pad(s["loss_mask"]) for s in seqs]),
+        "attention_mask": torch.stack([pad(torch.ones(len(s["input_ids"]), dtype=torch.long)) for s in seqs]),
+    }
+
+
+def _batch(teacher, rows: dict, top_k: int | None) -> DistillBatch:
+    model_rows = ModelRows(**{k: v for k, v in rows.items() if k != "loss_mask"})
+    logp, ids = teacher_distributions(teacher, model_rows, rows["loss_mask"], top_k=top_k)
+    return DistillBatch(**rows, teacher_logp=logp, teacher_ids=ids)
+
+
+def _engine(model_dir, *, sgd: bool = False):
+    strategy = Strategy(StrategyOptions(zero_stage=0, grad_clip=None, lr=3e-3))
+    optimizer = (lambda p: torch.optim.SGD(p, lr=1.0)) if sgd else None
+    return strategy.prepare(Actor(load_causal_lm(model_dir)), optimizer=optimizer)
+
+
+def test_teacher_top_k_of_the_whole_vocabulary_equals_the_full_distribution(dist_single, teacher_dir):
+    teacher = load_reference(teacher_dir)
+    rows = _padded(_seqs(1))
+    full, top = _batch(teacher, rows, None), _batch(teacher, rows, teacher.config.vocab_size)
+    assert full.teacher_logp.shape == (int(rows["loss_mask"].sum()), teacher.config.vocab_size)
+    student = torch.log_softmax(torch.randn(full.teacher_logp.shape), -1)
+    for loss in ("forward_kl", "reverse_kl", "jsd"):
+        a = _divergence(loss)(student, full.teacher_logp)
+        b = _divergence(loss)(student.gather(-1, top.teacher_ids), top.teacher_logp)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    small = _batch(teacher, rows, 8)
+    torch.testing.assert_close(small.teacher_logp, full.teacher_logp.topk(8, -1).values)
+    with pytest.raises(ValueError, match="top_k: 100000"):
+        _batch(teacher, rows, 100_000)
+
+
+def test_a_teachers_padded_vocabulary_is_cut_to_the_students_and_renormalised(dist_single, teacher_dir):
+    teacher = load_reference(teacher_dir)
+    rows = _padded(_seqs(2))
+    mrows = ModelRows(**{k: v for k, v in rows.items() if k != "loss_mask"})
+    logp, ids = teacher_distributions(teacher, mrows, rows["loss_mask"], top_k=None, vocab=300)
+    assert logp.shape[-1] == 300 and int(ids.max()) == 299
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(logp.shape[0]))
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+def test_distill_step_moves_the_student_towards_its_teacher(dist_single, tiny_model_dir, teacher_dir, loss):
+    teacher = load_reference(teacher_dir)
+    train, held_out = _padded(_seqs(3)), _padded(_seqs(4))
+    batch, probe = _batch(teacher, train, 16), _batch(teacher, held_out, None)
+    engine = _engine(tiny_model_dir)
+
+    def held_out_divergence() -> float:
+        with torch.no_grad():
+            out = engine(probe.input_ids, attention_mask=probe.attention_mask, return_vocab_logp=True)
+        student = out.vocab_logp[probe.loss_mask]
+        return float(token_divergence(student, probe.teacher_logp, loss=loss).mean())
+
+    before = held_out_divergence()
+    results = [distill_step(engine, [batch], divergence_fn=_divergence(loss)) for _ in range(8)]
+    assert results[-1].loss < 0.5 * results[0].loss
+    assert held_out_divergence() < before
+    assert results[0].metrics["divergence"] == pytest.approx(results[0].loss, rel=1e-5)
+
+
+def test_a_student_that_is_its_teacher_has_zero_loss_and_stays_put(dist_single, tiny_model_dir):
+    teacher = load_reference(tiny_model_dir)
+    engine = _engine(tiny_model_dir, sgd=True)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    res = distill_step(engine, [_batch(teacher, _padded(_seqs(5)), None)], divergence_fn=_divergence("jsd"))
+    assert abs(res.loss) < 1e-6
+    for k, v in engine.module.state_dict().items():
+        torch.testing.assert_close(v, before[k], atol=1e-6, rtol=0)
+
+
+def test_packed_rows_give_the_padded_rows_loss(dist_single, tiny_model_dir, teacher_dir):
+    teacher = load_reference(teacher_dir)
+    seqs = _seqs(6)
+    packed = pack_sequences(seqs, max_tokens_per_row=16).tensors
+    assert packed["input_ids"].shape[0] < len(seqs)
+    losses = []
+    for rows in (_padded(seqs), packed):
+        engine = _engine(tiny_model_dir, sgd=True)
+        fn = functools.partial(distill_step, divergence_fn=_divergence("forward_kl"))
+        losses.append(fn(engine, [_batch(teacher, rows, 32)]).loss)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
