@@ -177,6 +177,12 @@ def _kto() -> ModuleType:
     return kto
 
 
+def _distill() -> ModuleType:
+    from rlhf_cli.offline import distill
+
+    return distill
+
+
 TRAINING_COMMANDS = (
     TrainingCommand(
         "ppo",
@@ -204,6 +210,12 @@ TRAINING_COMMANDS = (
         _dpo,
     ),
     TrainingCommand("kto", "KTO on unpaired desirable/undesirable examples.", _config("KTOConfig"), _kto),
+    TrainingCommand(
+        "distill",
+        "Knowledge distillation from a frozen teacher (forward/reverse KL, GKD's JSD; top-k teacher).",
+        _config("DistillConfig"),
+        _distill,
+    ),
 )
 """The training commands, in ``rlhf --help`` order."""
 

@@ -1,5 +1,6 @@
 """One typed configuration tree per command: the single source of flags, YAML, --help and validation."""
 
+from rlhf_cli.config.distill import DistillConfig
 from rlhf_cli.config.loading import ConfigError, build_config, iter_fields, parse_flags
 from rlhf_cli.config.offline import (
     DPOConfig,
@@ -16,6 +17,7 @@ from rlhf_cli.config.printing import dump_yaml
 __all__ = [
     "ConfigError",
     "DPOConfig",
+    "DistillConfig",
     "KTOConfig",
     "LoraMergeConfig",
     "OfflineConfig",

@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 
+_GROUP_NAMES = {"ref": "reference"}
+
 TINY_MODEL_LR = 1e-3
 """What the built-in tiny model (random weights, 0.36M parameters) trains well with."""
 
@@ -177,6 +179,14 @@ class OfflineConfig(Section):
     """What most runs set: ``--help`` shows them first."""
     pretrained_lr: ClassVar[float] = 5e-6
     """Default learning rate when --model.pretrain is given (a real model)."""
+    frozen_group: ClassVar[str | None] = None
+    """The section of the frozen group the command runs beside the trained one (``ref`` for dpo and
+    kto, ``teacher`` for distill), which is also the group's name in the plan; None: none."""
+
+    @property
+    def frozen(self) -> PreferenceRefConfig | None:
+        """The frozen group's section (``pretrain``, ``precompute`` and its shape), or None."""
+        return getattr(self, self.frozen_group) if self.frozen_group else None
 
     def derived_values(self) -> dict[str, object]:
         """Unset settings whose value the run derives (``--print-config`` shows it beside the null)."""
@@ -213,10 +223,15 @@ class OfflineConfig(Section):
             self.learner,
             self.train.micro_batch_size,
         )
-        ref = getattr(self, "ref", None)
-        if ref is not None and not ref.precompute:
+        frozen = self.frozen
+        if frozen is not None and not frozen.precompute:
             check_split(
-                self.train.batch_size, "--train.batch_size", ref.world_size, "reference", self.learner, None
+                self.train.batch_size,
+                "--train.batch_size",
+                frozen.world_size,
+                _GROUP_NAMES.get(self.frozen_group, self.frozen_group),
+                self.learner,
+                None,
             )
         if self.command == "rm" and (
             self.learner.sequence_parallel_size > 1 or self.learner.tensor_parallel_size > 1
@@ -285,6 +300,7 @@ class _WithReference(OfflineConfig):
     """The frozen reference policy (its own Ray group)."""
     lora: LoraOptions | None = None
     """LoRA adapters on the trained policy (set any field, e.g. --lora.rank 8, to switch it on)."""
+    frozen_group: ClassVar[str | None] = "ref"
 
 
 class DPOConfig(_WithReference):

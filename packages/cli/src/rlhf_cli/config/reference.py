@@ -13,6 +13,7 @@ __all__ = ["COMMAND_CONFIGS", "flag_reference", "openrlhf_table"]
 
 def _configs() -> dict[str, type]:
     from rlhf_cli.config import (
+        DistillConfig,
         DPOConfig,
         KTOConfig,
         LoraMergeConfig,
@@ -22,7 +23,16 @@ def _configs() -> dict[str, type]:
         SFTConfig,
     )
 
-    classes = (PPOConfig, SFTConfig, RMConfig, DPOConfig, KTOConfig, ServeRMConfig, LoraMergeConfig)
+    classes = (
+        PPOConfig,
+        SFTConfig,
+        RMConfig,
+        DPOConfig,
+        KTOConfig,
+        DistillConfig,
+        ServeRMConfig,
+        LoraMergeConfig,
+    )
     return {cls.command: cls for cls in classes}
 
 

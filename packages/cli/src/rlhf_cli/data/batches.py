@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from rlhf_learner import (
+    DistillBatch,
     DPOBatch,
     KTOBatch,
     PolicyBatch,
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Rows",
     "Sample",
+    "TeacherTargets",
+    "distill_batch",
     "dpo_batch",
     "example_rows",
     "kto_batch",
@@ -207,4 +210,45 @@ def kto_batch(examples: Sequence[KTOExample], *, ref_logp: torch.Tensor) -> KTOB
         **example_rows(rows, packing=False),
         ref_logp=ref_logp,
         desirable=torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherTargets:
+    """The teacher's next-token distribution at each target (``loss_mask``) token of one example."""
+
+    logp: torch.Tensor
+    """``[n, K]`` log-probs of ``ids``: the teacher's top k, or the whole vocabulary."""
+    ids: torch.Tensor
+    """``[n, K]`` token ids (int32)."""
+
+
+def distill_batch(
+    token_ids: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    targets: Sequence[TeacherTargets],
+    *,
+    packing: bool,
+) -> tuple[DistillBatch, Rows]:
+    """The micro-batch of ``distill_step`` (and where each sequence's tokens went): the sequences' rows,
+    and their teacher targets in the rows' order of target tokens (packing may move the sequences)."""
+    seqs, offset = [], 0
+    for i, (ids, mask, t) in enumerate(zip(token_ids, loss_masks, targets, strict=True)):
+        m = mask.bool()
+        n = int(m.sum())
+        if t.logp.shape[0] != n:
+            raise ValueError(
+                f"teacher targets of sequence {i}: {t.logp.shape[0]} rows for its {n} target tokens"
+            )
+        at = torch.full(m.shape, -1, dtype=torch.long)
+        at[m] = torch.arange(offset, offset + n)
+        seqs.append({"input_ids": ids, "loss_mask": mask, "target_row": at})
+        offset += n
+    rows = to_rows(seqs, packing=packing)
+    tensors = dict(rows.tensors)
+    order = tensors.pop("target_row")[tensors["loss_mask"].bool()]
+    logp = torch.cat([t.logp for t in targets])[order]
+    ids = torch.cat([t.ids for t in targets])[order]
+    return DistillBatch(**tensors, teacher_logp=logp, teacher_ids=ids), Rows(
+        tensors=tensors, placement=rows.placement
     )

@@ -1,5 +1,5 @@
-"""The loop the offline commands (sft, rm, dpo, kto) share: set-up (the run skeleton, the trained group,
-the frozen reference) -> train (batch -> per-rank micro-batches -> update step -> evaluate -> log ->
+"""The loop the offline commands (sft, rm, dpo, kto, distill) share: set-up (the run skeleton, the trained
+group, the frozen reference or teacher) -> train (batch -> per-rank micro-batches -> update step -> evaluate -> log ->
 checkpoint) -> clean-up (export). What differs per command is an :class:`Objective`."""
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Groups:
 
     model: LearnerGroup
     ref: LearnerGroup | None
+    """The frozen group: the reference (dpo, kto) or the teacher (distill); None once stopped."""
     free_ref_bundles: Callable[[], None] = lambda: None
     """Removes the reference's placement group (registered with the run too; removing twice is fine)."""
 
@@ -147,20 +148,23 @@ def _start_groups(cfg: OfflineConfig, r: Run, *, role: Role, steps: int) -> Grou
             trains=True,
         )
     }
-    if r.plan.group("ref") is not None:
-        ref = cfg.ref  # type: ignore[attr-defined]
-        specs["ref"] = GroupSpec(
-            role="ref",
-            model_path=ref.pretrain or path,
-            world_size=ref.world_size,
-            strategy=strategy(ref.world_size, frozen=True),
+    frozen = cfg.frozen_group
+    if frozen is not None and r.plan.group(frozen) is not None:
+        shape = cfg.frozen
+        specs[frozen] = GroupSpec(
+            role="ref",  # a frozen policy: the reference, or the teacher
+            model_path=shape.pretrain or path,
+            world_size=shape.world_size,
+            strategy=strategy(shape.world_size, frozen=True),
             model=cfg.model.options,
         )
     pgs = placement_groups(r.plan, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit)
     groups = launch_groups(specs, r.plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=r.stop_at_exit)
     for g in groups.values():
         g.wait_setup()
-    return Groups(model=groups["model"], ref=groups.get("ref"), free_ref_bundles=lambda: pgs.free("ref"))
+    return Groups(
+        model=groups["model"], ref=groups.get(frozen or ""), free_ref_bundles=lambda: pgs.free(frozen or "")
+    )
 
 
 def load_examples(
@@ -210,14 +214,15 @@ def _split(cfg: OfflineConfig, group: LearnerGroup, batch: list[E]) -> list[list
 
 
 def _check_ref_dir(cfg: OfflineConfig) -> None:
-    ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
-    if ref_dir is not None:
+    """The frozen group's folder (``--ref.pretrain``, ``--teacher.pretrain``) holds a model."""
+    folder = cfg.frozen.pretrain if cfg.frozen is not None else None
+    if folder is not None:
         from rlhf_learner.models import check_model_dir
 
         try:
-            check_model_dir(ref_dir, need_tokenizer=False)  # the policy's tokenizer is used
+            check_model_dir(folder, need_tokenizer=False)  # the policy's tokenizer is used
         except (ValueError, FileNotFoundError) as err:
-            raise ValueError(f"--ref.pretrain: {err}") from None
+            raise ValueError(f"--{cfg.frozen_group}.pretrain: {err}") from None
 
 
 def run_command(

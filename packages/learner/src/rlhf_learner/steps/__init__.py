@@ -24,7 +24,7 @@ from rlhf_learner.steps.batches import (
     SFTBatch,
     ValueBatch,
 )
-from rlhf_learner.steps.distill import distill_step, teacher_distributions
+from rlhf_learner.steps.distill import distill_divergences, distill_step, teacher_distributions
 from rlhf_learner.steps.losses import (
     AggregateFn,
     DivergenceFn,
@@ -67,6 +67,7 @@ __all__ = [
     "ValueLossFn",
     "WindowCounts",
     "critic_step",
+    "distill_divergences",
     "distill_step",
     "dpo_step",
     "kto_step",

@@ -12,7 +12,7 @@ from rlhf_learner.steps._window import StepResult, TrainEngine, WindowCounts, ma
 from rlhf_learner.steps.batches import DistillBatch, ModelRows
 from rlhf_learner.steps.losses import DivergenceFn
 
-__all__ = ["distill_step", "teacher_distributions"]
+__all__ = ["distill_divergences", "distill_step", "teacher_distributions"]
 
 
 @torch.no_grad()
@@ -37,20 +37,29 @@ def teacher_distributions(
     return top.values, top.indices
 
 
+def distill_divergences(
+    model: Any, batch: DistillBatch, *, divergence_fn: DivergenceFn
+) -> tuple[torch.Tensor, Any]:
+    """``[N]`` the divergence at each target token of ``batch`` (row-major) under ``model`` (an ``Actor``,
+    or an engine wrapping one; with gradients unless the caller turns them off): the student's log-probs
+    of the teacher's K tokens, gathered from its whole distribution, against the teacher's. Also returns
+    the model's output."""
+    out = model(batch.input_ids, **batch.model_inputs(), return_vocab_logp=True)
+    student = out.vocab_logp[batch.loss_mask.bool()].gather(-1, batch.teacher_ids.long())
+    return divergence_fn(student, batch.teacher_logp.to(student.dtype)), out
+
+
 def distill_step(
     engine: TrainEngine, micro_batches: Sequence[DistillBatch], *, divergence_fn: DivergenceFn
 ) -> StepResult:
     """Knowledge distillation. ``engine`` wraps an ``Actor``; each micro-batch is a
-    :class:`~rlhf_learner.steps.DistillBatch`. At each target token the student's log-probs of the
-    teacher's K tokens are gathered from its whole distribution, and the loss is the token mean over the
-    step of ``divergence_fn(student_logp, teacher_logp)`` (e.g. rlhf-algos' ``token_divergence`` over
+    :class:`~rlhf_learner.steps.DistillBatch`. The loss is the token mean over the
+    step of :func:`distill_divergences`, ``divergence_fn(student_logp, teacher_logp)`` (e.g. rlhf-algos' ``token_divergence`` over
     ``renormalize``-d log-probs). Metrics: ``divergence`` (the same mean) and ``nll`` of the targets."""
 
     def compute(mb: DistillBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = engine(mb.input_ids, **mb.model_inputs(), return_vocab_logp=True)
+        div, out = distill_divergences(engine, mb, divergence_fn=divergence_fn)
         mask = mb.loss_mask.bool()
-        student = out.vocab_logp[mask].gather(-1, mb.teacher_ids.long())
-        div = divergence_fn(student, mb.teacher_logp.to(student.dtype))
         loss = div.sum() / c.global_tokens * c.dp_size
         nll = -(out.logp.detach().float() * mask).sum()
         return loss, {"divergence": div.detach().sum(), "nll": nll}

@@ -13,12 +13,23 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from rlhf_learner import DPOBatch, KTOBatch, PolicyBatch, RewardBatch, SFTBatch, StepResult, ValueBatch
+from rlhf_learner import (
+    DistillBatch,
+    DPOBatch,
+    KTOBatch,
+    PolicyBatch,
+    RewardBatch,
+    SFTBatch,
+    StepResult,
+    ValueBatch,
+)
 
+from rlhf_cli.data.batches import TeacherTargets
 from rlhf_cli.runtime.host.malloc import MALLOC_SETTINGS, malloc_env
 from rlhf_cli.runtime.host.openmp import openmp_env
 from rlhf_cli.runtime.learners.late_reference import LateReference, PendingScores
 from rlhf_cli.runtime.learners.specs import (
+    DistillSettings,
     DPOSettings,
     ExportOptions,
     GroupSpec,
@@ -154,6 +165,41 @@ class LearnerGroup:
             masks=masks,
         )
 
+    def teacher_targets(
+        self,
+        sequences: Sequence[torch.Tensor],
+        masks: Sequence[torch.Tensor],
+        *,
+        micro_batch_size: int,
+        top_k: int | None,
+        vocab: int | None,
+    ) -> list[TeacherTargets]:
+        """Per sequence (a teacher): its distributions at the ``masks`` tokens (see ``LearnerWorker``)."""
+        return self._sharded(
+            lambda w, a: w.teacher_targets.remote(
+                **a, micro_batch_size=micro_batch_size, top_k=top_k, vocab=vocab
+            ),
+            sequences=sequences,
+            masks=masks,
+        )
+
+    def distill_divergences(
+        self,
+        sequences: Sequence[torch.Tensor],
+        targets: Sequence[tuple[torch.Tensor, TeacherTargets]],
+        *,
+        micro_batch_size: int,
+        settings: DistillSettings,
+    ) -> list[tuple[float, int]]:
+        """Per sequence (a student): its summed divergence from ``targets`` and the token count."""
+        return self._sharded(
+            lambda w, a: w.distill_divergences.remote(
+                **a, micro_batch_size=micro_batch_size, settings=settings
+            ),
+            sequences=sequences,
+            masks=targets,
+        )
+
     def _sharded(self, call: Call, *, sequences: Sequence[Any], masks: Sequence[Any] = ()) -> list[Any]:
         return self._submit(call, sequences=sequences, masks=masks)()
 
@@ -232,6 +278,11 @@ class LearnerGroup:
 
     def train_kto(self, per_rank: Sequence[list[KTOBatch]], *, settings: KTOSettings) -> StepResult:
         return self._step(per_rank, lambda w, a: w.train_kto.remote(**a, settings=settings))
+
+    def train_distill(
+        self, per_rank: Sequence[list[DistillBatch]], *, settings: DistillSettings
+    ) -> StepResult:
+        return self._step(per_rank, lambda w, a: w.train_distill.remote(**a, settings=settings))
 
     def set_reward_normalization(self, *, mean: float, std: float) -> None:
         self._all(lambda w: w.set_reward_normalization.remote(mean=mean, std=std))

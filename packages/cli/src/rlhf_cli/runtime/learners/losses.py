@@ -5,9 +5,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rlhf_cli.runtime.learners.specs import DPOSettings, KTOSettings, PolicyLossSettings, ValueLossSettings
+from rlhf_cli.runtime.learners.specs import (
+    DistillSettings,
+    DPOSettings,
+    KTOSettings,
+    PolicyLossSettings,
+    ValueLossSettings,
+)
 
-__all__ = ["dpo_step_args", "kto_step_args", "policy_step_args", "value_step_args"]
+__all__ = ["distill_divergence_fn", "dpo_step_args", "kto_step_args", "policy_step_args", "value_step_args"]
 
 
 def policy_step_args(s: PolicyLossSettings) -> dict[str, Any]:
@@ -60,3 +66,16 @@ def kto_step_args(s: KTOSettings) -> dict[str, Any]:
         kto_loss, beta=s.beta, desirable_weight=s.desirable_weight, undesirable_weight=s.undesirable_weight
     )
     return {"kto_loss_fn": fn, "kl_baseline_fn": kto_kl_baseline}
+
+
+def distill_divergence_fn(s: DistillSettings) -> Any:
+    """The divergence ``rlhf_learner.distill_step`` takes: ``s.loss`` between the two distributions, each
+    renormalised over the K tokens given (no change when they are the whole vocabulary)."""
+    from rlhf_algos import renormalize, token_divergence
+
+    def divergence(student_logp: Any, teacher_logp: Any) -> Any:
+        return token_divergence(
+            renormalize(student_logp), renormalize(teacher_logp), loss=s.loss, beta=s.beta
+        )  # type: ignore[arg-type]
+
+    return divergence

@@ -12,6 +12,7 @@ from rlhf_learner.strategy import LRSchedule
 
 __all__ = [
     "DPOSettings",
+    "DistillSettings",
     "ExportOptions",
     "GroupSpec",
     "KTOSettings",
@@ -114,6 +115,14 @@ class DPOSettings:
     beta: float
     label_smoothing: float
     nll_coef: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillSettings:
+    loss: str
+    """forward_kl, reverse_kl or jsd."""
+    beta: float
+    """jsd's teacher weight."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from rlhf_learner import (
+    DistillBatch,
     DPOBatch,
     KTOBatch,
     PolicyBatch,
@@ -18,10 +19,11 @@ from rlhf_learner import (
     ValueBatch,
 )
 
-from rlhf_cli.data.batches import to_rows
+from rlhf_cli.data.batches import TeacherTargets, distill_batch, to_rows
 from rlhf_cli.runtime.learners import losses, tensor_wire
 from rlhf_cli.runtime.learners.late_reference import LateReference, ref_logp_of
 from rlhf_cli.runtime.learners.specs import (
+    DistillSettings,
     DPOSettings,
     ExportOptions,
     GroupSpec,
@@ -169,6 +171,64 @@ class LearnerWorker:
         logp = self.forward(sequences=sequences, micro_batch_size=micro_batch_size, packing=False)
         return [float((lp * m).sum()) for lp, m in zip(logp, masks, strict=True)]
 
+    @torch.no_grad()
+    def teacher_targets(
+        self,
+        *,
+        sequences: list[torch.Tensor],
+        masks: list[torch.Tensor],
+        micro_batch_size: int,
+        top_k: int | None,
+        vocab: int | None,
+    ) -> list[TeacherTargets]:
+        """Per sequence (a teacher): its next-token distribution at each ``masks`` token, the ``top_k``
+        most likely tokens (None: all ``vocab`` of the student's)."""
+        from rlhf_learner import ModelRows, teacher_distributions
+
+        self.engine.eval()
+        out: list[TeacherTargets] = []
+        for lo in range(0, len(sequences), micro_batch_size):
+            ms, ss = masks[lo : lo + micro_batch_size], sequences[lo : lo + micro_batch_size]
+            seqs = [{"input_ids": s, "loss_mask": m} for s, m in zip(ss, ms, strict=True)]
+            t = to_rows(seqs, packing=False).tensors  # row i is sequence i: targets come in sequence order
+            rows = ModelRows(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
+            logp, ids = teacher_distributions(self.engine, rows, t["loss_mask"], top_k=top_k, vocab=vocab)
+            counts = [int(m.bool().sum()) for m in ms]
+            for lp, ix in zip(logp.split(counts), ids.split(counts), strict=True):
+                out.append(TeacherTargets(logp=lp.float().cpu(), ids=ix.to(torch.int32).cpu()))
+        return out
+
+    @torch.no_grad()
+    def distill_divergences(
+        self,
+        *,
+        sequences: list[torch.Tensor],
+        masks: list[tuple[torch.Tensor, TeacherTargets]],
+        micro_batch_size: int,
+        settings: DistillSettings,
+    ) -> list[tuple[float, int]]:
+        """Per sequence (a student): the summed divergence from its teacher targets over its ``masks``
+        tokens, and their count."""
+        from rlhf_learner import distill_divergences
+
+        fn = losses.distill_divergence_fn(settings)
+        self.engine.eval()
+        out: list[tuple[float, int]] = []
+        for lo in range(0, len(sequences), micro_batch_size):
+            part, ss = masks[lo : lo + micro_batch_size], sequences[lo : lo + micro_batch_size]
+            batch, rows = distill_batch(ss, [m for m, _ in part], [t for _, t in part], packing=True)
+            mb = batch.to(self.engine.device)
+            div, _ = distill_divergences(self.engine, mb, divergence_fn=fn)
+            per_token = torch.zeros(batch.loss_mask.shape)
+            per_token[batch.loss_mask.bool()] = div.float().cpu()
+            out += [
+                (float(x.sum()), int(m.bool().sum()))
+                for x, (m, _) in zip(rows.split(per_token), part, strict=True)
+            ]
+        if self.spec.trained:
+            self.engine.train()
+        return out
+
     # --- updates ---------------------------------------------------------------------------------
     def train_policy(
         self,
@@ -215,6 +275,11 @@ class LearnerWorker:
         from rlhf_learner import kto_step
 
         return kto_step(self.engine, micro_batches, **losses.kto_step_args(settings))
+
+    def train_distill(self, *, micro_batches: list[DistillBatch], settings: DistillSettings) -> StepResult:
+        from rlhf_learner import distill_step
+
+        return distill_step(self.engine, micro_batches, divergence_fn=losses.distill_divergence_fn(settings))
 
     def set_reward_normalization(self, *, mean: float, std: float) -> None:
         """Store the score statistics in the reward model's config (saved with the export)."""

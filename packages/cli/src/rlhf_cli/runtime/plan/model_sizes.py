@@ -148,8 +148,8 @@ def check_same_tokens(
     theirs = _tokenizer(other_dir)
     if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
         raise ConfigError(
-            f"{flag} {other_dir}: its tokenizer is not the policy's, so it would read the policy's token ids "
-            "as other tokens; give a model with the policy's tokenizer"
+            f"{flag} {other_dir}: its tokenizer is not the policy's ({mine.name_or_path}), so it would read "
+            "the policy's token ids as other tokens; give a model with the policy's tokenizer"
         )
     needed = len(mine) if mine is not None else policy.vocab
     if other.vocab < needed:
@@ -166,12 +166,14 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
     heads; the reference is ``--ref.pretrain``, the teacher ``--teacher.pretrain``."""
     if not isinstance(cfg, PPOConfig):
         policy = actor_dir if actor_dir is not None else cfg.model.pretrain
-        ref_dir = getattr(getattr(cfg, "ref", None), "pretrain", None)
+        frozen_dir = cfg.frozen.pretrain if cfg.frozen is not None else None
         actor = model_shape(policy, value_head=cfg.command == "rm", flag="--model.pretrain")
-        ref = model_shape(ref_dir, flag="--ref.pretrain") if ref_dir else None
-        if ref is not None:
-            check_same_tokens(_tokenizer(policy), actor, ref_dir, ref, flag="--ref.pretrain")
-        return ModelSizes(actor=actor, ref=ref)
+        if not frozen_dir:
+            return ModelSizes(actor=actor)
+        flag = f"--{cfg.frozen_group}.pretrain"
+        frozen = model_shape(frozen_dir, flag=flag)
+        check_same_tokens(_tokenizer(policy), actor, frozen_dir, frozen, flag=flag)
+        return ModelSizes(actor=actor, **{cfg.frozen_group: frozen})  # type: ignore[arg-type]
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
     actor = model_shape(policy)
     critic: ModelShape | None = None

@@ -283,29 +283,41 @@ def make_offline_plan(
     with_ref: bool,
     sizes: ModelSizes | None = None,
 ) -> Plan:
-    """The trained group (``model``) and, for dpo / kto, the frozen reference (``ref``); ``sizes`` as in
-    ``make_plan``. On GPU a micro-batch is ``--train.micro_batch_size`` examples
-    (two sequences each for rm, dpo and kto) of ``--data.max_len`` tokens."""
+    """The trained group (``model``) and, with ``with_ref``, the command's frozen group (``ref`` for dpo
+    and kto, ``teacher`` for distill: ``cfg.frozen_group``); ``sizes`` as in ``make_plan``. On GPU a
+    micro-batch is ``--train.micro_batch_size`` examples (two sequences each for rm, dpo and kto) of
+    ``--data.max_len`` tokens."""
     sizes = sizes if sizes is not None else model_sizes(cfg)
-    models = {"model": sizes.actor, "reference": sizes.ref if with_ref else None}
+    frozen = cfg.frozen_group if with_ref else None
+    models = {"model": sizes.actor, "reference": getattr(sizes, frozen) if frozen else None}
     check_positions(cfg.data.max_len, "--data.max_len", models)  # type: ignore[attr-defined]
+    _check_top_k(getattr(getattr(cfg, "algo", None), "top_k", None), sizes)
     _check_4bit(getattr(cfg, "lora", None), "--lora.load_in_4bit", resources)
     gc = cfg.model.options.gradient_checkpointing
     gc_flag, lora = "--model.options.gradient_checkpointing", getattr(cfg, "lora", None) is not None
     specs = [_Learner("model", cfg.model.world_size, True, gc, gc_flag, lora=lora, nodes=cfg.model.num_nodes)]
-    if with_ref:
-        ref = cfg.ref  # type: ignore[attr-defined]
-        note = "frozen, stopped after precomputing" if ref.precompute else "frozen"
-        specs.append(_Learner("ref", ref.world_size, False, note=note, nodes=ref.num_nodes))
+    if frozen is not None:
+        group = cfg.frozen
+        note = "frozen, stopped after precomputing" if group.precompute else "frozen"
+        specs.append(_Learner(frozen, group.world_size, False, note=note, nodes=group.num_nodes))
     rows = cfg.train.micro_batch_size * (2 if cfg.command in ("rm", "dpo", "kto") else 1)
     load = (cfg.data.max_len, rows) if resources.gpus > 0 else None  # type: ignore[attr-defined]
     bundle = _bundle(resources, cfg.ray)
     groups = [_learner_group(s, sizes.of(s.name), cfg.learner, bundle, load) for s in specs]
-    shapes = {"model": cfg.model, "ref": getattr(cfg, "ref", None)}
+    shapes = {"model": cfg.model, frozen: cfg.frozen}
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     _check_fits(groups, resources, cfg.ray, "the learner groups")
     return _plan(groups, resources, "none", sizes.actor.params)
+
+
+def _check_top_k(top_k: int | None, sizes: ModelSizes) -> None:
+    """``--algo.top_k`` (rlhf distill) at most the student's vocabulary (its logits)."""
+    if top_k is not None and top_k > sizes.actor.vocab:
+        raise ConfigError(
+            f"--algo.top_k {top_k}: more than the model's vocabulary of {sizes.actor.vocab} tokens "
+            "(leave it unset for the whole distribution)"
+        )
 
 
 def _check_4bit(lora: Any, flag: str, resources: ClusterResources) -> None:

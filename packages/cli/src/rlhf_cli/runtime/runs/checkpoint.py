@@ -72,7 +72,7 @@ also change ``eval.path``; for the offline commands it decides the held-out spli
 
 GROUP_SIZES = tuple(
     f"{g}.{k}"
-    for g in ("model", "ref", "actor", "critic", "reward")
+    for g in ("model", "ref", "teacher", "actor", "critic", "reward")
     for k in ("num_nodes", "num_devices_per_node")
 )
 """Every learner group's rank count: a resumed run may change them when its backend reshards checkpoints."""
