@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_flash_attention_packed_equals_unpacked(tiny_model_dir):
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed (uv sync --extra flash)")
     from rlhf_learner.models import Actor, ModelOptions, load_causal_lm
     from rlhf_learner.packing import pack_sequences, unpack
 
@@ -43,6 +44,7 @@ def test_liger_actor_matches_plain_actor(tiny_model_dir):
 
 
 def test_nccl_init_and_ring_flash_attention_in_a_fresh_process():
+    pytest.importorskip("flash_attn", reason="ring-flash-attn needs flash-attn (uv sync --extra ring)")
     script = textwrap.dedent(
         """
         import torch, torch.distributed as dist, torch.nn.functional as F
@@ -64,7 +66,72 @@ def test_nccl_init_and_ring_flash_attention_in_a_fresh_process():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+RING_OF_TWO = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+    from rlhf_learner.ring_attention import ring_flash_varlen_attention
+
+    LENGTHS, H, HKV, D = (5, 11, 7, 9), 4, 2, 32  # 32 tokens packed in one row; grouped-query heads
+
+    def reference(q, k, v, pos):
+        out = torch.zeros_like(q)
+        k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+        lo = 0
+        for n in LENGTHS:
+            sl = slice(lo, lo + n)
+            out[:, :, sl] = torch.nn.functional.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
+            lo += n
+        return out
+
+    def rank_main(rank, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, H, 32, D, generator=g)
+        k, v = (torch.randn(1, HKV, 32, D, generator=g) for _ in range(2))
+        grad = torch.randn(1, H, 32, D, generator=g)
+        pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+        want = [t.detach().cuda().requires_grad_() for t in (q, k, v)]
+        reference(*want, pos).backward(grad.cuda())
+        chunk = slice(16 * rank, 16 * rank + 16)
+        mine = [t[:, :, chunk].cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_varlen_attention(*mine, pos[:, chunk].cuda())
+        out.backward(grad[:, :, chunk].cuda().bfloat16())
+        ref_out = reference(*(t.detach().cuda() for t in (q, k, v)), pos)[:, :, chunk]
+        worst = max(
+            (out.float() - ref_out).abs().max().item(),
+            *((m.grad.float() - w.grad[:, :, chunk]).abs().max().item() for m, w in zip(mine, want)),
+        )
+        assert worst < 5e-2, (rank, worst)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(int(sys.argv[1]),), nprocs=2)
+        print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL puts each rank of the ring on a GPU of its own"
+)
+def test_packed_rows_take_ring_flash_attns_varlen_kernels_on_a_ring_of_two(tmp_path):
+    """Two ranks, each with a contiguous half of a packed row of four sequences: ring-flash-attn's varlen
+    kernels give each sequence's causal attention (and its gradients) as one device computes them."""
+    pytest.importorskip("flash_attn", reason="ring-flash-attn needs flash-attn (uv sync --extra ring)")
+    from rlhf_learner.strategy import free_port
+
+    script = tmp_path / "ring.py"
+    script.write_text(RING_OF_TWO)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_qlora_trains(tiny_model_dir):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (uv sync --extra qlora)")
     from rlhf_learner.lora import LoraOptions, apply_lora, load_qlora_base
     from rlhf_learner.models import Actor
 
@@ -83,6 +150,7 @@ def test_qlora_trains(tiny_model_dir):
 
 
 def test_load_in_4bit_quantizes_the_base_and_only_lora_gets_gradients(tiny_model_dir):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (uv sync --extra qlora)")
     import bitsandbytes as bnb
     from rlhf_learner.lora import LoraOptions
     from rlhf_learner.models import Actor, load_causal_lm
@@ -106,7 +174,7 @@ def _merged_logits_tolerance(expect: torch.Tensor) -> float:
 
 
 def test_qlora_step_changes_only_adapters_and_merged_weights_give_its_logits(tiny_model_dir, tmp_path):
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (uv sync --extra qlora)")
     import json
 
     from rlhf_learner.lora import LoraOptions, merged_state_dict

@@ -273,3 +273,12 @@ def test_compile_with_zero3_is_refused_naming_the_option(tiny_model_dir):
             options=ModelOptions(compile=True),
             ds_config={"zero_optimization": {"stage": 3}},
         )
+
+
+def test_sequence_bounds_are_the_cu_seqlens_of_a_packed_row():
+    from rlhf_learner.ring_attention import sequence_bounds
+
+    pos = torch.tensor([0, 1, 2, 0, 1, 0, 0, 1])
+    assert sequence_bounds(pos).tolist() == [0, 3, 5, 6, 8]
+    assert sequence_bounds(torch.tensor([2, 3, 0, 1])).tolist() == [0, 2, 4]  # a row that starts mid-sequence
+    assert sequence_bounds(pos).dtype == torch.int32

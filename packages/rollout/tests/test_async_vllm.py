@@ -11,9 +11,9 @@ import pytest
 from rlhf_rollout import AsyncVLLMEngine, SamplingParams, VersionSpan
 from rollout_testutil import MAX_MODEL_LEN
 
-pytestmark = pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="CPU test (the GPU path runs in test_gpu.py)"
-)
+ON_GPU = __import__("torch").cuda.is_available()
+"""The module runs on either device: on a GPU it is partial rollout's GPU check (its tests take the lock)."""
+pytestmark = [pytest.mark.gpu] if ON_GPU else []
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def engine(loop, tiny_model_dir):
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
             worker_extension_cls="_file_weight_ext.FileWeightExtension",
-            engine_kwargs={"enforce_eager": True},
+            engine_kwargs={"enforce_eager": True, **({"gpu_memory_utilization": 0.2} if ON_GPU else {})},
         )
 
     eng = loop.run_until_complete(start())

@@ -1,4 +1,5 @@
-"""CUDA-only paths (skipped without CUDA): vLLM sleep mode, and tensor parallelism over Ray."""
+"""CUDA-only paths (skipped without CUDA): vLLM sleep mode, and tensor parallelism over Ray (its
+samples' log-probs are the model's). Partial rollout on GPU: test_async_vllm.py runs on either device."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_sleep_levels_then_weights_then_cache_give_the_outputs_of_no_sleep(tiny_
 
 
 @pytest.mark.gpu
-def test_vllm_tensor_parallel_engine_on_a_placement_group(ray_cluster, tiny_model_dir):
+def test_vllm_tensor_parallel_engine_on_a_placement_group(ray_cluster, tiny_model_dir, hf_model):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs for tensor_parallel_size=2")
     import ray
@@ -89,9 +90,13 @@ def test_vllm_tensor_parallel_engine_on_a_placement_group(ray_cluster, tiny_mode
     )
     try:
         out = EngineClient([engine], tensor_parallel_size=2).generate(
-            PROMPTS, SamplingParams(max_new_tokens=8, n=2)
+            PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=3)
         )
         assert len(out) == len(PROMPTS) and all(len(r) == 2 for r in out)
+        for prompt, r in zip(PROMPTS, out, strict=True):  # two shards compute the one model's numbers
+            for g in r:
+                ref = reference_logprobs(hf_model, prompt, g.token_ids, temperature=0.8)
+                assert (ref - torch.tensor(g.logprobs, dtype=ref.dtype)).abs().max() < 2e-3
     finally:
         ray.kill(engine)
         remove_placement_group(pg)

@@ -30,6 +30,7 @@ def llm(tiny_model_dir):
         seed=0,
         worker_extension_cls=EXT,
         enforce_eager=True,  # no torch.compile start-up: the weights path is what is tested
+        **({"gpu_memory_utilization": 0.2} if torch.cuda.is_available() else {}),
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -68,11 +69,16 @@ def perturb(model, seed: int) -> None:
         p.add_(0.05 * torch.randn(p.shape, generator=gen))
 
 
-def join(llm, transport: str, port: int, run_in_thread) -> WeightSender:
+def join(llm, transport: str, port: int, run_in_thread, device: str = "cpu") -> WeightSender:
     kwargs = dict(transport=transport, master_addr="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
     thread, box = run_in_thread(llm.collective_rpc, "init_weight_sync", kwargs={**kwargs, "timeout_s": 60})
     sender = WeightSender(
-        transport=transport, master_addr="127.0.0.1", master_port=port, world_size=2, timeout_s=60
+        transport=transport,
+        master_addr="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        timeout_s=60,
+        device=device,
     )
     thread.join()
     assert "error" not in box, box.get("error")
@@ -129,3 +135,24 @@ def test_extension_refuses_misuse(llm):
                 transport="gloo", master_addr="127.0.0.1", master_port=1, rank_offset=0, world_size=2
             ),
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_gpu_transports_reach_a_vllm_worker(llm, hf_model, free_port, run_in_thread, transport):
+    """On a GPU: CUDA IPC from the worker's own GPU, and NCCL from another GPU, into the running vLLM
+    worker (its first GPU); its log-probs then equal transformers' with the same weights."""
+    import copy
+
+    if transport == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("nccl needs one GPU per rank; this machine has one")
+    device = "cuda:0" if transport == "cuda_ipc" else "cuda:1"
+    model = copy.deepcopy(hf_model)
+    perturb(model, seed=11)
+    sender = join(llm, transport, free_port(), run_in_thread, device=device)
+    named = [(n, p.detach().to(device)) for n, p in model.named_parameters()]
+    reply, stats = sync(llm, sender, named, run_in_thread)
+    assert reply["num_bytes"] == stats.num_bytes
+    assert (vllm_logprobs(llm) - hf_logprobs(model)).abs().max() < TOL, transport
+    llm.collective_rpc("close_weight_sync")
+    sender.close()

@@ -15,10 +15,10 @@ for its chunk without communication; these ids travel with the key/value chunks.
 sends key/value chunks around the ring again with their gradient accumulators, which arrive back at
 their owner after a full turn.
 
-On CPU this is pure torch over a gloo group (:func:`ring_attention`); on GPU with ring-flash-attn
-installed, :func:`ring_flash_attention` calls its fused kernels for padded rows (packed rows take
-the pure-torch ring there too). :func:`use_ring_attention` plugs
-either into a transformers model as an attention implementation.
+On CPU this is pure torch over a gloo group (:func:`ring_attention`); on GPU in 16-bit with
+ring-flash-attn installed, its fused kernels: :func:`ring_flash_attention` for padded rows, and
+:func:`ring_flash_varlen_attention` (its variable-length kernels) for packed rows.
+:func:`use_ring_attention` plugs them into a transformers model as an attention implementation.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ __all__ = [
     "gather_sequence",
     "ring_attention",
     "ring_flash_attention",
+    "ring_flash_varlen_attention",
+    "sequence_bounds",
     "sequence_starts",
     "split_sequence",
     "use_ring_attention",
@@ -218,22 +220,85 @@ def ring_flash_attention(
     return out.transpose(1, 2)
 
 
+def sequence_bounds(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[S + 1]`` int32 offsets of the sequences of one packed row of ``position_ids`` (``[L]``, each
+    sequence restarting at position 0): ``cu_seqlens`` as flash-attn's variable-length kernels take them.
+    A row that does not start a sequence at column 0 gets one there."""
+    starts = (position_ids == 0).nonzero().flatten()
+    edges = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), position_ids.shape[0])])
+    return torch.unique(edges).to(torch.int32)
+
+
+def ring_flash_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    group: Any = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """GPU path for packed rows: ring-flash-attn's variable-length kernels (the "llama3" context-parallel
+    scheme, for contiguous chunks: each rank gathers the keys and values its chunk's sequences reach and
+    attends causally within each sequence). ``q``: ``[B, H, C, D]``, ``k`` / ``v``: ``[B, H_kv, C, D]``
+    (grouped-query heads are not repeated), ``position_ids``: this rank's ``[B, C]`` chunk of the packed
+    positions. Returns ``[B, H, C, D]``, equal to :func:`ring_attention` with :func:`sequence_starts`."""
+    if not ring_flash_available():
+        raise RuntimeError("ring_flash_varlen_attention needs a CUDA device and the ring-flash-attn package")
+    from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
+
+    group = group if group is not None else dist.group.WORLD
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    parts = [torch.empty_like(position_ids) for _ in range(size)]
+    dist.all_gather(parts, position_ids.contiguous(), group=group)
+    rows = torch.cat(parts, dim=1)  # the whole packed rows' positions (a few ints a token)
+    outs = []
+    for b in range(q.shape[0]):
+        cu = sequence_bounds(rows[b]).to(q.device)
+        cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, size)
+        out = llama3_flash_attn_varlen_func(
+            q[b].transpose(0, 1),  # [C, H, D]
+            k[b].transpose(0, 1),
+            v[b].transpose(0, 1),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            k.shape[1],  # every key/value head in one pass
+            k_slice,
+            softmax_scale=scale,
+            causal=True,
+            group=group,
+        )
+        outs.append(out.transpose(0, 1))
+    return torch.stack(outs)
+
+
+def _fused(query: torch.Tensor) -> bool:
+    """ring-flash-attn's kernels serve this query: on CUDA, in 16-bit, with the package installed."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and ring_flash_available()
+
+
 def _attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-function signature; returns ``([B, C, H, D], None)``."""
+    ref = getattr(module, _GROUP_ATTR, None)
+    group = ref.group if ref is not None else None
+    packed = kwargs.get(PACKED_ROWS, False)
+    position_ids = kwargs.get("position_ids")
+    if packed and position_ids is None:
+        raise ValueError("ring attention over packed rows needs the position_ids of this rank's chunk")
+    if packed and _fused(query):
+        out = ring_flash_varlen_attention(query, key, value, position_ids, group=group, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    ref = getattr(module, _GROUP_ATTR, None)
-    group = ref.group if ref is not None else None
-    if kwargs.get(PACKED_ROWS, False):
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            raise ValueError("ring attention over packed rows needs the position_ids of this rank's chunk")
+    if packed:
         seg = sequence_starts(position_ids, group=group)
         out = ring_attention(query, key, value, group=group, scale=scaling, sequence_ids=seg)
     else:
-        fn = ring_flash_attention if query.is_cuda and ring_flash_available() else ring_attention
+        fn = ring_flash_attention if _fused(query) else ring_attention
         out = fn(query, key, value, group=group, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -244,8 +309,8 @@ def use_ring_attention(model: Any, group: Any = None) -> None:
     Feed each rank its chunk of ``input_ids`` with *global* ``position_ids`` and no
     ``attention_mask`` (right padding only: causal attention keeps pad tokens at the end harmless);
     for packed rows, the chunk of the packed ``position_ids`` and ``rlhf_packed_rows=True``
-    (:data:`PACKED_ROWS`). On GPU, packed rows take the pure-torch ring, whose ``[B, H, C, C]`` fp32
-    score blocks grow with the square of the chunk length (ring-flash-attn serves padded rows).
+    (:data:`PACKED_ROWS`). On GPU in 16-bit, ring-flash-attn's kernels serve both (fp32, and CPU, take
+    the pure-torch ring, whose ``[B, H, C, C]`` fp32 score blocks grow with the square of the chunk).
     """
     from transformers import AttentionInterface
 
