@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rlhf_cli.config import PPOConfig, build_config
@@ -179,18 +180,22 @@ def test_reinforce_baseline_with_a_reward_model_group(tmp_path, one_engine, demo
 
 
 class _RewardServer:
-    """A real HTTP reward endpoint on 127.0.0.1 (FastAPI + uvicorn): reward = response length."""
+    """A real HTTP reward endpoint on 127.0.0.1 (FastAPI + uvicorn): reward = response length; the first
+    ``failures`` requests get HTTP 503."""
 
-    def __init__(self) -> None:
+    def __init__(self, failures: int = 0) -> None:
         import uvicorn
         from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
 
         app = FastAPI()
         self.calls = 0
 
         @app.post("/reward")
-        def reward(body: dict) -> dict:
+        def reward(body: dict) -> Any:
             self.calls += 1
+            if self.calls <= failures:
+                return JSONResponse(status_code=503, content={"error": "overloaded"})
             r = [float(len(q) - len(p)) for q, p in zip(body["queries"], body["prompts"], strict=True)]
             return {"rewards": r, "scores": r}
 
@@ -209,10 +214,12 @@ class _RewardServer:
         self.thread.join(timeout=30)
 
 
-def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_model_dir):
+def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_model_dir, caplog):
     """LoRA on the actor: the engines get merged weights (the step-2 log-probs match the learner's);
-    GSPO's sequence-level ratio."""
-    server = _RewardServer()
+    GSPO's sequence-level ratio. The server fails its first two requests: they are retried, logged and
+    counted, and the run goes on."""
+    server = _RewardServer(failures=2)
+    caplog.set_level("WARNING", logger="rlhf_rollout.remote_reward")
     try:
         result = ppo(
             tmp_path,
@@ -232,8 +239,11 @@ def test_rloo_with_a_remote_reward_server_and_lora(tmp_path, one_engine, demo_mo
     finally:
         server.stop()
     rows = check_run(result)
-    assert server.calls >= 2
+    assert server.calls >= 4
     assert rows[0]["rollout/score_mean"] > 0  # response lengths, as the server computed them
+    assert rows[0]["extra/reward_retries"] > 0 and rows[1]["extra/reward_retries"] == 0
+    retried = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(retried) == 2 and "HTTP 503" in retried[0], retried
 
 
 def test_group_norm_on_two_zero3_ranks_two_engines_and_a_kl_loss(tmp_path, two_engines, demo_model_dir):
@@ -270,6 +280,29 @@ def test_grpo_on_fsdp2_reaches_deepspeeds_run_and_syncs_into_vllm(tmp_path, one_
         assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
         assert b["actor/loss"] == pytest.approx(a["actor/loss"], rel=1e-5, abs=1e-7)
         assert b["sync/logp_mismatch_max"] < 1e-4
+
+
+def test_sequence_and_tensor_parallel_actors_train_what_one_rank_trains(tmp_path, one_engine, demo_model_dir):
+    """GRPO with the actor on two ranks of one sequence-parallel block (ring attention: each rank holds
+    half of every packed row) and of one tensor-parallel block (AutoTP): the same samples, rewards and
+    losses as one rank, and the engine takes the gathered weights (its log-probs are the learner's)."""
+    flags = ["--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator=group_norm"]
+    one = check_run(ppo(tmp_path / "one", one_engine, *flags))
+    two = ["--actor.num_devices_per_node=2"]
+    sp = ppo(tmp_path / "sp", one_engine, *flags, *two, "--learner.sequence_parallel_size=2")
+    tp = ppo(
+        tmp_path / "tp",
+        one_engine,
+        *flags,
+        *two,
+        "--learner.tensor_parallel_size=2",
+        "--learner.zero_stage=1",
+    )
+    for result, size in ((sp, "sequence_parallel_size"), (tp, "tensor_parallel_size")):
+        assert [getattr(x, size) for x in result.layouts["actor"]] == [2, 2]
+        for a, b in zip(one, check_run(result), strict=True):
+            assert b["rollout/reward_mean"] == a["rollout/reward_mean"], size
+            assert b["actor/loss"] == pytest.approx(a["actor/loss"], rel=1e-5, abs=1e-7), size
 
 
 def test_a_reference_overlapping_the_update_gives_the_run_of_one_scored_first(

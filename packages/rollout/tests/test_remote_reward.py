@@ -79,15 +79,21 @@ def test_sharded_across_two_servers_in_order(servers):
     )
     assert out.rewards == [float(len(f"q{i}" * (i + 1))) for i in range(5)]
     assert out.scores == [1.0, 0.0, 1.0, 0.0, 0.0]
-    assert out.extra_logs == {"prompt_chars": [1.0] * 5}
+    assert out.extra_logs == {"prompt_chars": [1.0] * 5, "reward_retries": [0.0] * 5}
     assert a.calls == [2] and b.calls == [3]
 
 
-def test_retries_then_succeeds(servers):
+def test_retries_then_succeeds_and_each_retry_is_logged_and_counted(servers, caplog):
     a, _ = servers
     a.flaky_failures = 0
-    out = _score(RemoteReward(f"{a.url}/flaky", retries=2, backoff_s=0.01), n=3)
+    with caplog.at_level("WARNING", logger="rlhf_rollout.remote_reward"):
+        out = _score(RemoteReward(f"{a.url}/flaky", retries=2, backoff_s=0.01), n=3)
     assert out.rewards == [1.0, 1.0, 1.0] and a.flaky_failures == 2
+    assert out.extra_logs["reward_retries"] == [2.0] * 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith(
+        f"reward server {a.url}/flaky: attempt 1 of 3 failed (HTTP 503"
+    )
 
 
 def test_retries_exhausted_names_the_url(servers):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,12 @@ import httpx
 
 from rlhf_rollout.rewards import RewardResult, normalize_reward_output
 
-__all__ = ["RemoteReward", "RemoteRewardError"]
+__all__ = ["RETRIES_KEY", "RemoteReward", "RemoteRewardError"]
+
+RETRIES_KEY = "reward_retries"
+"""``extra_logs`` key: per sample, the retries its request took (each retry is also logged as a warning)."""
+
+_log = logging.getLogger(__name__)
 
 
 class RemoteRewardError(RuntimeError):
@@ -23,8 +29,9 @@ class RemoteReward:
     A batch of ``m`` samples is cut into ``len(urls)`` contiguous shards, one per URL, sent
     concurrently. A server answers ``{"rewards": [...], "scores": [...]?, "extra_logs": {...}?}``
     with one value per sample of its shard. Connection errors, timeouts and 5xx answers are retried
-    ``retries`` times with exponential backoff (``backoff_s * 2**attempt``); 4xx answers and malformed
-    bodies fail at once. Every error names the URL.
+    ``retries`` times with exponential backoff (``backoff_s * 2**attempt``), each retry logged as a
+    warning and counted in the result's ``extra_logs[RETRIES_KEY]``; 4xx answers and malformed bodies fail
+    at once. Every error names the URL.
     """
 
     def __init__(
@@ -80,7 +87,12 @@ class RemoteReward:
         last: str = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                wait = self.backoff_s * 2 ** (attempt - 1)
+                _log.warning(
+                    "reward server %s: attempt %d of %d failed (%s); retrying in %.1f s",
+                    url, attempt, self.retries + 1, last, wait,
+                )  # fmt: skip
+                await asyncio.sleep(wait)
             try:
                 resp = await client.post(url, json=body)
             except httpx.TimeoutException:
@@ -103,11 +115,13 @@ class RemoteReward:
                     f"reward server {url} answered non-JSON: {resp.text[:200]!r}"
                 ) from err
             try:
-                return normalize_reward_output(
+                out = normalize_reward_output(
                     payload,
                     n=len(queries),
                     source=f"reward server {url} (samples {offset}..{offset + len(queries) - 1})",
                 )
             except ValueError as err:
                 raise RemoteRewardError(str(err)) from err
+            out.extra_logs[RETRIES_KEY] = [float(attempt)] * len(queries)
+            return out
         raise RemoteRewardError(f"reward server {url} failed after {self.retries + 1} attempts: {last}")

@@ -208,9 +208,15 @@ def alias_key(tensor: torch.Tensor) -> object:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
+FULL_SHAPE_ATTR = "rlhf_full_shape"
+"""Attribute a shard's owner may set on a tensor (e.g. a tensor-parallel shard) to give the whole tensor's
+shape, which its ``gather`` produces."""
+
+
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The tensor's logical shape; DeepSpeed ZeRO-3 parameters report it as ``ds_shape``."""
-    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+    """The tensor's logical shape, as a sender's ``gather`` makes it whole: :data:`FULL_SHAPE_ATTR` when
+    set, DeepSpeed ZeRO-3's ``ds_shape``, else its own shape."""
+    return tuple(getattr(tensor, FULL_SHAPE_ATTR, None) or getattr(tensor, "ds_shape", tensor.shape))
 
 
 def collect(

@@ -108,7 +108,8 @@ class WeightSender(Endpoint):
         ``named_tensors``: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()`` or a state
         dict's items; any device. Names tied to the same tensor (same storage and view) are shipped
         once and delivered under every name. Pass parameters, not detached copies, when ``gather``
-        is used (ZeRO-3 shapes come from ``ds_shape`` before gathering).
+        is used (ZeRO-3 shapes come from ``ds_shape`` before gathering, a shard's from its
+        ``rlhf_full_shape``: :data:`~rlhf_weightsync.layout.FULL_SHAPE_ATTR`).
         ``dtype``: wire dtype of floating-point tensors (e.g. the engine's ``torch.bfloat16``);
         others keep their dtype. ``None`` keeps every dtype.
         ``gather``: applied to the tensors of each bucket while that bucket is packed.

@@ -16,7 +16,7 @@ from rlhf_learner.strategy.registry import (
     training_backend,
 )
 from rlhf_learner.strategy.schedule import LRSchedule, SchedulerName, lr_factor, make_lr_scheduler
-from rlhf_learner.strategy.strategy import Strategy, gather_params  # registers "deepspeed"
+from rlhf_learner.strategy.strategy import Strategy, gather_params, mark_full_shapes  # registers "deepspeed"
 
 DeepSpeedStrategy = Strategy
 
@@ -40,6 +40,7 @@ __all__ = [
     "lr_factor",
     "make_lr_scheduler",
     "make_strategy",
+    "mark_full_shapes",
     "offload_states",
     "register_training_backend",
     "reload_states",

@@ -44,6 +44,20 @@ def gather_params(params: Sequence[nn.Parameter]) -> AbstractContextManager[None
     return _gathered(zero3, list(layers.values()))
 
 
+def mark_full_shapes(model: nn.Module) -> None:
+    """Give every DeepSpeed AutoTP shard of ``model`` its whole shape as ``rlhf_full_shape`` (what a weight
+    sync plans with before :func:`gather_params`), gathering each sharded layer once, the first time.
+    Collective over the tensor-parallel group, like the gather."""
+    for layer in model.modules():
+        shards = [p for p in layer.parameters(recurse=False) if getattr(p, "ds_is_replaced_module", False)]
+        if not shards or all(hasattr(p, "rlhf_full_shape") for p in shards):
+            continue
+        with gather_params(shards):
+            shapes = [tuple(p.shape) for p in shards]
+        for p, shape in zip(shards, shapes, strict=True):
+            p.rlhf_full_shape = shape  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def _gathered(zero3: list[nn.Parameter], tp_layers: list[nn.Module]) -> Iterator[None]:
     import deepspeed

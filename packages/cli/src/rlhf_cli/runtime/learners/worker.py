@@ -322,6 +322,9 @@ class LearnerWorker:
             state, _ = merged_state_dict(hf, state)
             named, gather = list(state.items()), None
         else:
+            from rlhf_learner.strategy import mark_full_shapes
+
+            mark_full_shapes(hf)  # tensor-parallel shards: their whole shapes (a gather, the first time)
             named, gather = list(hf.named_parameters()), self.strategy.gather
         # in the compute dtype: an fsdp2 group keeps fp32 shards under bf16 mixed precision (half the bytes)
         wire = torch.bfloat16 if self.strategy.options.precision == "bf16" else None
