@@ -670,8 +670,13 @@ def test_a_teacher_is_planned_as_a_frozen_group_and_its_inputs_are_checked(tmp_p
     assert shared.exit_code == 0 and "the teacher too" in shared.output
     assert not any(line.startswith("teacher ") for line in shared.output.splitlines())
     assert error_line(run_cli(*model, "--algo.advantage.estimator", "distill")) == (
-        "error: --algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain"
+        "error: --algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain "
+        "(only the built-in demo, with no model given, trains its own)"
     )
+    demo = run_cli("--algo.advantage.estimator", "distill", "--ray.num_cpus", "2", "--dry-run")
+    assert demo.exit_code == 0, demo.output  # the demo: its large model is planned as the teacher
+    teacher_line = next(line for line in demo.output.splitlines() if line.startswith("teacher "))
+    assert "frozen teacher" in teacher_line
     other = tmp_path / "other"
     shutil.copytree(demo_model_dir, other)
     config = json.loads((other / "config.json").read_text())

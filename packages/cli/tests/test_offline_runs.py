@@ -415,3 +415,24 @@ def test_fsdp2_lora_on_two_ranks_exports_its_adapter_and_merged_model(
         ).logits
     assert (with_adapter - plain).abs().max() > 1e-3
     torch.testing.assert_close(merged, with_adapter, atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoints_by_the_clock_and_the_plan_says_what_a_stop_would_cost(
+    ray_cluster, demo_model_dir, data, tmp_path
+):
+    """--ckpt.save_minutes saves whenever that long has passed since the last save, whatever the step
+    count; the plan says when a run saves nothing (a stop would start it again from step 0)."""
+    from rlhf_cli.offline import sft
+
+    flags = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "16", "--train.num_steps", "3"]
+    cfg = build_config(SFTConfig, [*COMMON, "--logger.run_dir", str(tmp_path / "run"), *flags])
+    assert any(n.startswith("checkpoints: none (--ckpt.save_steps 0)") for n in sft.plan(cfg).notes)
+    timed = build_config(
+        SFTConfig,
+        [*COMMON, "--logger.run_dir", str(tmp_path / "timed"), *flags, "--ckpt.save_minutes", "1e-6"],
+    )
+    assert "checkpoints: every 1e-06 minutes, the last 2 kept" in sft.plan(timed).notes
+    result = sft.run(timed)
+    saved = sorted(p.name for p in (result.run_dir / "checkpoints").glob("step_*"))
+    assert saved == ["step_000002", "step_000003"]  # every step (the last two kept)
+    assert (result.run_dir / "checkpoints" / "latest").read_text() == "step_000003"

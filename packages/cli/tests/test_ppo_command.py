@@ -77,6 +77,40 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert len(metrics(run_dir)) == len(rows)
 
 
+def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path):
+    """`rlhf ppo --algo.advantage.estimator distill` with no model given: the large demo model learns the
+    task first (warm-up and GRPO) in run_dir/teacher, then teaches the small one; a resumed run finds that
+    teacher instead of training another."""
+    run_dir = tmp_path / "run"
+    argv = [
+        str(BIN / "rlhf"),
+        "ppo",
+        "--algo.advantage.estimator",
+        "distill",
+        "--logger.run_dir",
+        str(run_dir),
+    ]
+    argv += ["--train.num_steps", "2", "--train.warmup_sft_steps", "2", "--eval.every", "0"]
+    argv += ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--ckpt.save_steps", "1"]
+    out = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    teacher = run_dir / "teacher" / "final_model"
+    assert "distillation demo: training the teacher" in out.stderr
+    config = json.loads((teacher / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (3, 192)
+    student = json.loads((run_dir / "final_model" / "config.json").read_text())
+    assert (student["num_hidden_layers"], student["hidden_size"]) == (2, 128)
+    assert all("distill/reverse_kl" not in r for r in metrics(run_dir / "teacher"))  # GRPO on the reward
+    rows = metrics(run_dir)
+    assert len(rows) == 2 and all(r["distill/reverse_kl"] > 0 and r["time/teacher"] > 0 for r in rows)
+    assert f"pretrain: {teacher.absolute()}" in (run_dir / "config.yaml").read_text()
+    # resumed at its last checkpoint: the same teacher, found, not trained again
+    again = subprocess.run(
+        [*argv, "--ckpt.load_enable"], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert f"distillation demo: the teacher in {teacher}" in again.stderr, again.stderr[-3000:]
+
+
 @pytest.mark.gpu
 def test_ppo_on_a_gpu_uses_gpu_bundles_and_cuda_ipc(tmp_path):
     """On a CUDA machine (one GPU is enough): GPU bundles shared by the actor and the engine, weights over

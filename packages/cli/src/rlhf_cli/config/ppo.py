@@ -83,16 +83,23 @@ class PPOConfig(Section):
 
     @property
     def distills(self) -> bool:
-        """A teacher scores the samples (--teacher.pretrain): on-policy distillation's advantage is added."""
-        return self.teacher.pretrain is not None
+        """A teacher scores the samples (--teacher.pretrain, or the demo's): on-policy distillation's
+        advantage is added."""
+        return self.teacher.pretrain is not None or self.demo_teacher
+
+    @property
+    def demo_teacher(self) -> bool:
+        """The built-in distillation demo (the distill estimator, and no model, teacher, data or reward
+        given): the large demo model learns the task first (warm-up, then GRPO), then teaches."""
+        no_models = self.teacher.pretrain is None and self.actor.pretrain is None
+        return self.algo.advantage.estimator == "distill" and no_models and self.builtin_task
 
     @property
     def teacher_is_reference(self) -> bool:
         """The teacher's folder is the reference's: one group, loaded once, serves both."""
         t, r = self.teacher.pretrain, self.ref.pretrain
-        return (
-            self.distills and self.uses_reference and r is not None and Path(t).resolve() == Path(r).resolve()
-        )
+        both = t is not None and r is not None and self.uses_reference
+        return both and Path(t).resolve() == Path(r).resolve()  # type: ignore[arg-type]
 
     @property
     def learner_dtype(self) -> str:
@@ -331,7 +338,8 @@ class PPOConfig(Section):
             raise ValueError("--data.path is set but --actor.pretrain is not: give the model to train")
         if self.algo.advantage.estimator == "distill" and not self.distills:
             raise ValueError(
-                "--algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain"
+                "--algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain "
+                "(only the built-in demo, with no model given, trains its own)"
             )
         if (
             self.data.path is not None

@@ -146,6 +146,9 @@ class TrainConfig(Section):
     """run_agent agents: seconds one episode (all its model calls) may take."""
     warmup_sft_steps: int = Field(40, ge=0)
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
+    demo_model: Literal["small", "large"] = "small"
+    """Built-in demo only: its tiny model, small (2 layers of 128) or large (3 layers of 192: the teacher
+    the distillation demo trains first)."""
     pin_cores: bool | None = None
     """CPU only: bind the engines to the first half of each node's cores and the learner ranks to the
     rest (their work then cannot steal each other's cores; an asynchronous run's reference ranks to none:
@@ -234,11 +237,26 @@ class EvalConfig(Section):
 
 class CkptConfig(Section):
     save_steps: int = Field(0, ge=0)
-    """Save a resumable checkpoint every N steps; 0: only the final export."""
+    """Save a resumable checkpoint every N steps; 0: only the final export (a stopped run then starts
+    again from step 0)."""
+    save_minutes: float | None = Field(None, gt=0)
+    """Also save when this many minutes have passed since the last save (or the start), which bounds the
+    work a stop can cost whatever a step takes; unset: by steps alone."""
     load_enable: bool = False
     """Resume from the latest checkpoint in the run folder."""
     max_keep: int = Field(2, ge=1)
     """Checkpoints to keep (oldest deleted first)."""
+
+    def plan_note(self) -> str:
+        """What a stopped run could resume from, for the plan."""
+        if not self.save_steps and self.save_minutes is None:
+            return (
+                "checkpoints: none (--ckpt.save_steps 0): a stopped run starts again from step 0; "
+                "set --ckpt.save_steps or --ckpt.save_minutes"
+            )
+        when = [f"every {self.save_steps} steps"] if self.save_steps else []
+        when += [f"every {self.save_minutes:g} minutes"] if self.save_minutes is not None else []
+        return f"checkpoints: {' and '.join(when)}, the last {self.max_keep} kept"
 
 
 class ExportConfig(Section):

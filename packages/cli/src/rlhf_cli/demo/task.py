@@ -111,23 +111,28 @@ def write_data(kind: str, path: Path, *, seed: int) -> Path:
     return path
 
 
-DEMO_MODEL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256}
+DEMO_MODELS = {
+    "small": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256},
+    "large": {"num_hidden_layers": 3, "hidden_size": 192, "intermediate_size": 384},
+}
+"""The demo's tiny models (one tokenizer): the small one is the default, the large one the distillation
+demo's teacher (``--train.demo_model``)."""
 
 
-def build_demo_model(directory: Path) -> Path:
+def build_demo_model(directory: Path, size: str = "small") -> Path:
     """The tiny model of the demo (built offline; the same folder is reused when it exists)."""
     from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
     if (directory / "config.json").is_file():
         return directory
-    return build_tiny_model(directory, TinyModelSpec(**DEMO_MODEL))
+    return build_tiny_model(directory, TinyModelSpec(**DEMO_MODELS[size]))
 
 
-def demo_num_params() -> int:
-    """Parameters of the demo model, computed from its shape without building it."""
+def demo_num_params(size: str = "small") -> int:
+    """Parameters of a demo model, computed from its shape without building it."""
     from rlhf_cli.demo.tiny_model import TinyModelSpec
 
-    spec = TinyModelSpec(**DEMO_MODEL)
+    spec = TinyModelSpec(**DEMO_MODELS[size])
     h, i, layers, v = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers, spec.vocab_size
     kv = h // spec.num_attention_heads * spec.num_key_value_heads
     attn = 2 * h * h + 2 * h * kv + h + 2 * kv  # q and o; k and v; q/k/v biases (qwen2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -150,9 +151,42 @@ def _pipeline(
     )
 
 
+def demo_teacher(cfg: PPOConfig) -> Path:
+    """The distillation demo's teacher (``cfg.demo_teacher``): the large demo model trained on the built-in
+    task with the demo's warm-up and GRPO, for as many steps as the run has, in ``<run_dir>/teacher``
+    (its final model is reused when it is there, e.g. by a resumed run)."""
+    run_dir = Path(cfg.logger.run_dir) / "teacher"
+    final = run_dir / "final_model"
+    if (final / "config.json").is_file():
+        print(f"distillation demo: the teacher in {final}", file=sys.stderr)
+        return final
+    print(
+        f"distillation demo: training the teacher (the large demo model, GRPO) in {run_dir}", file=sys.stderr
+    )
+    estimator = cfg.algo.advantage.model_copy(update={"estimator": "group_norm"})
+    teacher_cfg = cfg.model_copy(
+        update={
+            "algo": cfg.algo.model_copy(update={"advantage": estimator}),
+            "train": cfg.train.model_copy(update={"demo_model": "large"}),
+            "logger": cfg.logger.model_copy(update={"run_dir": run_dir, "overwrite": True}),
+            "ckpt": cfg.ckpt.model_copy(update={"load_enable": False, "save_steps": 0}),
+        }
+    )
+    return run(teacher_cfg).final_model
+
+
+def _with_demo_teacher(cfg: PPOConfig) -> PPOConfig:
+    """``cfg``, with the distillation demo's teacher (trained first) when ``cfg.demo_teacher``."""
+    if not cfg.demo_teacher:
+        return cfg
+    teacher = cfg.teacher.model_copy(update={"pretrain": str(demo_teacher(cfg).absolute())})
+    return cfg.model_copy(update={"teacher": teacher})
+
+
 def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
-    """Train. ``engines``: running rollout engines to use instead of starting ``--rollout.num_engines``
-    new ones (several runs in one process, e.g. tests); the run syncs its own weights into them first."""
+    """Train (the distillation demo trains its teacher first). ``engines``: running rollout engines to use
+    instead of new ones (e.g. tests); the run syncs its own weights into them first."""
+    cfg = _with_demo_teacher(cfg)
     # ---- set-up -------------------------------------------------------------------------------
     plan_for = functools.partial(_plan_for, cfg)
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=_resumable(cfg))

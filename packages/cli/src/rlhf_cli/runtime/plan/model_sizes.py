@@ -84,17 +84,21 @@ def _shape(text: Any, params: int, value_head: bool) -> ModelShape:
 
 
 def model_shape(
-    model_dir: Path | str | None, *, value_head: bool = False, flag: str = "--actor.pretrain"
+    model_dir: Path | str | None,
+    *,
+    value_head: bool = False,
+    flag: str = "--actor.pretrain",
+    demo: str = "small",
 ) -> ModelShape:
     """A Hugging Face folder's shape from ``AutoConfig`` (``value_head``: see ``_meta_params``; ``flag``
-    names the folder when it has no config.json). ``None``: the built-in demo model, from ``DEMO_MODEL``
+    names the folder when it has no config.json). ``None``: the built-in ``demo`` model, from ``DEMO_MODELS``
     and ``demo_num_params()`` (tied embeddings: a value head adds h)."""
     if model_dir is None:
-        from rlhf_cli.demo.task import DEMO_MODEL, demo_num_params
+        from rlhf_cli.demo.task import DEMO_MODELS, demo_num_params
         from rlhf_cli.demo.tiny_model import TinyModelSpec
 
-        spec = TinyModelSpec(**DEMO_MODEL)
-        return _shape(spec, demo_num_params() + (spec.hidden_size if value_head else 0), value_head)
+        spec = TinyModelSpec(**DEMO_MODELS[demo])
+        return _shape(spec, demo_num_params(demo) + (spec.hidden_size if value_head else 0), value_head)
     from transformers import AutoConfig
 
     if not (Path(model_dir) / "config.json").is_file():
@@ -175,14 +179,17 @@ def model_sizes(cfg: PPOConfig | OfflineConfig, actor_dir: Path | str | None = N
         check_same_tokens(_tokenizer(policy), actor, frozen_dir, frozen, flag=flag)
         return ModelSizes(actor=actor, **{cfg.frozen_group: frozen})  # type: ignore[arg-type]
     policy = actor_dir if actor_dir is not None else cfg.actor.pretrain
-    actor = model_shape(policy)
+    demo = cfg.train.demo_model
+    actor = model_shape(policy, demo=demo)
     critic: ModelShape | None = None
     ref: ModelShape | None = None
     reward: ModelShape | None = None
-    teacher = model_shape(cfg.teacher.pretrain, flag="--teacher.pretrain") if cfg.distills else None
+    teacher = None
+    if cfg.distills:  # (the distillation demo's teacher: the large demo model)
+        teacher = model_shape(cfg.teacher.pretrain, flag="--teacher.pretrain", demo="large")
     if cfg.uses_critic:
         flag = "--critic.pretrain" if cfg.critic.pretrain else "--actor.pretrain"
-        critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag)
+        critic = model_shape(cfg.critic.pretrain or policy, value_head=True, flag=flag, demo=demo)
     if cfg.uses_reference and cfg.ref.pretrain:
         ref = model_shape(cfg.ref.pretrain, flag="--ref.pretrain")
     if cfg.reward.source == "model":

@@ -308,7 +308,9 @@ def make_offline_plan(
     per_node = {g.name: shapes[g.name].num_devices_per_node for g in groups}
     groups = with_threads(groups, per_node, resources, cfg.ray.threads_per_rank)
     _check_fits(groups, resources, cfg.ray, "the learner groups")
-    return _plan(groups, resources, "none", sizes.actor.params)
+    plan = _plan(groups, resources, "none", sizes.actor.params)
+    plan.notes.append(cfg.ckpt.plan_note())
+    return plan
 
 
 def _check_top_k(top_k: int | None, sizes: ModelSizes) -> None:
@@ -394,4 +396,5 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     transport, why = _weight_sync_transport(cfg, resources)
     plan = _plan(groups, resources, transport, sizes.actor.params, reason=why)
     plan.notes.extend(colocation_lines(groups, resources.gpu_memory_gib if gpu else None, engines=n * tp))
+    plan.notes.append(cfg.ckpt.plan_note())
     return plan

@@ -11,8 +11,9 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,8 @@ class EvalSchedule:
         return self.every > 0 and step == self.last_step
 
 
-def resolve_model(pretrain: Path | str | None, run_dir: Path) -> Path:
-    """The starting model: ``pretrain`` (checked), or the built-in demo model (built once, offline)."""
+def resolve_model(pretrain: Path | str | None, run_dir: Path, demo: str = "small") -> Path:
+    """The starting model: ``pretrain`` (checked), or the built-in ``demo`` model (built once, offline)."""
     if pretrain is not None:
         from rlhf_learner.models import check_model_dir
 
@@ -64,7 +65,7 @@ def resolve_model(pretrain: Path | str | None, run_dir: Path) -> Path:
         return Path(pretrain).absolute()
     from rlhf_cli.demo.task import build_demo_model
 
-    return build_demo_model(run_dir / "base_model")
+    return build_demo_model(run_dir / "base_model", demo)
 
 
 def _sizes(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None) -> ModelSizes:
@@ -100,6 +101,8 @@ class Run:
     session: RunSession
     resume_from: Path | None
     """The checkpoint to continue from (``--ckpt.load_enable`` found one), else None."""
+    last_save: float = field(default_factory=time.monotonic)
+    """When the last checkpoint was saved (monotonic seconds), or the run started."""
 
     @property
     def config(self) -> dict:
@@ -151,12 +154,16 @@ class Run:
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoint(self, state: RunState, groups: dict[str, Any]) -> None:
-        """Save when ``--ckpt.save_steps`` says this step is due."""
-        every = self.cfg.ckpt.save_steps
-        if every and state.step % every == 0:
-            save_checkpoint(
-                self.ckpt_root, state, groups, max_keep=self.cfg.ckpt.max_keep, config=self.config
-            )
+        """Save when ``--ckpt.save_steps`` says this step is due, or ``--ckpt.save_minutes`` have passed
+        since the last save (or the start)."""
+        ckpt = self.cfg.ckpt
+        by_steps = bool(ckpt.save_steps) and state.step % ckpt.save_steps == 0
+        by_time = (
+            ckpt.save_minutes is not None and time.monotonic() - self.last_save >= 60 * ckpt.save_minutes
+        )
+        if by_steps or by_time:
+            save_checkpoint(self.ckpt_root, state, groups, max_keep=ckpt.max_keep, config=self.config)
+            self.last_save = time.monotonic()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,7 +269,7 @@ def prepare_run(
     except OSError as err:
         why = "a file, not a folder" if run_dir.is_file() else err.strerror or str(err)
         raise ConfigError(f"--logger.run_dir {run_dir}: cannot write the run there ({why})") from None
-    model_dir = resolve_model(pretrain, run_dir)
+    model_dir = resolve_model(pretrain, run_dir, getattr(cfg.train, "demo_model", "small"))
     if not _joins_cluster(cfg):
         resources = local_resources(cfg)
         plan_for(resources, model_sizes(cfg, model_dir))  # a plan that cannot fit fails first
