@@ -87,3 +87,14 @@ def test_the_demo_trains_one_micro_batch_per_rank_unless_told():
     assert PPOConfig(train=given).train.micro_batch_size == 128 and given.micro_batch_size == 16
     model = PPOConfig.model_validate({"actor": {"pretrain": "some/model"}})
     assert model.train.micro_batch_size == 16  # not the demo: the documented default
+
+
+def test_a_restart_resumes_from_the_latest_checkpoint_or_starts_again_from_step_0(tmp_path):
+    from rlhf_cli.config import SFTConfig, build_config
+    from rlhf_cli.runtime.runs.restarts import restarted
+
+    cfg = build_config(SFTConfig, ["--logger.run_dir", str(tmp_path / "run")])
+    assert cfg.train.max_restarts == 3
+    again, where = restarted(cfg)
+    assert where == "from step 0 (no checkpoint yet)"
+    assert again.logger.overwrite and not again.ckpt.load_enable  # the earlier attempt's outputs go

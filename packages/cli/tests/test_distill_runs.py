@@ -6,7 +6,6 @@ before start-up. Runs share the session's Ray cluster."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from rlhf_cli.offline import distill
 from rlhf_testkit import TinyModelSpec, build_tiny_model
 from rlhf_testkit.commands import (
     Driver,
-    assert_died_naming,
     kill_steps_rng,
     ray_workers,
     rows,
@@ -76,6 +74,9 @@ def test_top_k_of_the_vocabulary_precomputed_once_equals_the_full_teacher_each_s
 
 
 def test_a_run_killed_at_its_teacher_resumes_to_the_uninterrupted_run(ray_cluster, flags, tmp_path):
+    """The teacher's rank SIGKILLed while it scores a step's examples: the driver starts both groups again
+    and resumes from the latest checkpoint itself (--train.max_restarts), and ends as the uninterrupted
+    run, bit for bit."""
     steps = [*flags, "--train.num_steps", "8", "--eval.every", "4", "--ckpt.save_steps", "1"]
     whole = _run(steps, tmp_path / "whole")
     address = ray_cluster.get_runtime_context().gcs_address
@@ -83,15 +84,18 @@ def test_a_run_killed_at_its_teacher_resumes_to_the_uninterrupted_run(ray_cluste
     d = Driver("distill", steps, address, run_dir)
     d.wait_steps(kill_steps_rng().randint(2, 5))
     scoring = []  # the teacher's rank, caught while it scores a step's examples
-    d.wait_for(
-        lambda: scoring.extend(ray_workers("LearnerWorker.teacher_targets", d.started_since_boot)) or scoring,
-        "a teacher call",
-        poll=0.0005,
-    )
+
+    def caught() -> bool:
+        scoring.extend(ray_workers("LearnerWorker.teacher_targets", d.started_since_boot))
+        return bool(scoring)
+
+    d.wait_for(caught, "a teacher call", poll=0.0005)
     scoring[0].kill()
-    assert_died_naming(d, time.monotonic(), "the teacher group's rank 0")
-    rc, _, err = Driver("distill", [*steps, "--ckpt.load_enable"], address, run_dir).finish()
+    rc, _, err = d.finish()
     assert rc == 0, err[-3000:]
+    assert "the teacher group's rank 0 died (" in err and "; restart 1 of 3, resuming from" in err, err[
+        -3000:
+    ]
     assert training_metrics(run_dir) == training_metrics(whole.run_dir)
     same_weights(run_dir / "final_model", whole.final_model)
 

@@ -111,6 +111,7 @@ def ppo_flags(demo_model_dir) -> list[str]:
         *("--train.num_steps", str(PPO_STEPS), "--rollout.batch_size", "4"),
         *("--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "6"),
         *("--train.micro_batch_size", "4", "--eval.every", "0", "--ckpt.save_steps", "2", *ACROSS, *QUIET),
+        *("--train.max_restarts", "0"),  # what a death does without restarts (restarts: test_kill_resume.py)
     ]
 
 

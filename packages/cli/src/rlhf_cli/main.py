@@ -221,7 +221,9 @@ TRAINING_COMMANDS = (
 
 
 def _train(command: TrainingCommand, cfg: Any) -> str:
-    result = command.recipe().run(cfg)
+    from rlhf_cli.runtime.runs.restarts import with_restarts
+
+    result = with_restarts(command.recipe().run, cfg)
     lines = [f"final model: {result.final_model}", f"curve: {result.run_dir / command.curve}"]
     if getattr(result, "adapter", None) is not None:
         lines.insert(1, f"adapter: {result.adapter}")

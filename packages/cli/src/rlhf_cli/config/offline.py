@@ -106,6 +106,9 @@ class OfflineTrain(Section):
     size up to 8 that splits each rank's share of --train.batch_size evenly."""
     seed: int = 42
     """Seed of data order, held-out split and model initialisation."""
+    max_restarts: int = Field(3, ge=0)
+    """When a learner rank, an engine or a host dies, start the run again in this driver from its latest
+    checkpoint (from step 0 without one), at most this many times; 0: stop at the first death, naming it."""
 
 
 class PackedTrain(OfflineTrain):

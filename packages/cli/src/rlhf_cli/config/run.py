@@ -128,6 +128,9 @@ class TrainConfig(Section):
     optimizer steps over shuffled mini-batches; unset: the whole rollout batch (one step per pass)."""
     seed: int = 42
     """Seed of data order, sampling and model initialisation."""
+    max_restarts: int = Field(3, ge=0)
+    """When a learner rank, an engine or a host dies, start the run again in this driver from its latest
+    checkpoint (from step 0 without one), at most this many times; 0: stop at the first death, naming it."""
     packing: bool = True
     """Pack each micro-batch's samples into rows without padding (position ids restart per sample)."""
     dynamic_batch: bool = False

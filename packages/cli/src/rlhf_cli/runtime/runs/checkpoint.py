@@ -50,6 +50,7 @@ class RunState:
 
 RESUMABLE_CHANGES = (
     "train.num_steps",
+    "train.max_restarts",
     "train.num_epochs",
     "ckpt.",
     "logger.",

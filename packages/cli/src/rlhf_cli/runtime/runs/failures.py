@@ -30,7 +30,12 @@ class Stops(Protocol):
 
 
 class ActorDiedError(RuntimeError):
-    """A learner rank or an engine died (its process was killed, crashed or its node was lost)."""
+    """A learner rank or an engine died (its process was killed, crashed or its node was lost). The
+    message says which and how to resume; ``death`` says which alone."""
+
+    def __init__(self, message: str, *, death: str = "") -> None:
+        super().__init__(message)
+        self.death = death or message
 
 
 class RunFinished(Exception):

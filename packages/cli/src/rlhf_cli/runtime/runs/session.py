@@ -56,7 +56,7 @@ def run_session(cfg: PPOConfig | OfflineConfig) -> Iterator[RunSession]:
         if died is None:
             raise
         what = lost_host(died, session.actor_names) or describe_death(died, session.actor_names)
-        raise ActorDiedError(f"{what}; {_resume_hint(cfg)}") from err
+        raise ActorDiedError(f"{what}; {_resume_hint(cfg)}", death=what) from err
     finally:
         stops = list(reversed(session._stops))
         if started_ray:

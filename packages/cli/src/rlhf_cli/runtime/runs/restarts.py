@@ -1,0 +1,46 @@
+"""A run that heals: when a learner rank, an engine or a host dies, the whole run starts again in the same
+driver, on the cluster as it now is, from its latest complete checkpoint (``--train.max_restarts``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rlhf_cli.config import OfflineConfig, PPOConfig
+from rlhf_cli.runtime.runs.checkpoint import latest_checkpoint
+from rlhf_cli.runtime.runs.failures import ActorDiedError
+
+__all__ = ["restarted", "with_restarts"]
+
+C = TypeVar("C", PPOConfig, OfflineConfig)
+R = TypeVar("R")
+
+
+def restarted(cfg: C) -> tuple[C, str]:
+    """``cfg`` for the next start after a death, and where it starts from: the latest complete checkpoint
+    (``--ckpt.load_enable``), or step 0 when there is none (the run folder's outputs replaced)."""
+    found = latest_checkpoint(Path(cfg.logger.run_dir) / "checkpoints")
+    if found is not None:
+        ckpt = cfg.ckpt.model_copy(update={"load_enable": True})
+        return cfg.model_copy(update={"ckpt": ckpt}), f"resuming from {found}"
+    logger = cfg.logger.model_copy(update={"overwrite": True})
+    ckpt = cfg.ckpt.model_copy(update={"load_enable": False})
+    return cfg.model_copy(update={"logger": logger, "ckpt": ckpt}), "from step 0 (no checkpoint yet)"
+
+
+def with_restarts(run: Callable[[C], R], cfg: C) -> R:
+    """``run(cfg)``, started again after each death (:class:`ActorDiedError`, which has stopped every
+    group and engine by then) at most ``--train.max_restarts`` times; each death and restart is one line
+    on stderr. One more death raises, as a run without restarts does."""
+    limit = cfg.train.max_restarts
+    for restart in range(limit + 1):
+        try:
+            return run(cfg)
+        except ActorDiedError as err:
+            if restart == limit:
+                raise
+            cfg, where = restarted(cfg)
+            print(f"{err.death}; restart {restart + 1} of {limit}, {where}", file=sys.stderr)
+    raise AssertionError("unreachable")
