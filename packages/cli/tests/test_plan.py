@@ -323,7 +323,8 @@ def test_cpu_plans_are_never_refused_for_memory():
     huge = dataclasses.replace(MID, params=70_000_000_000)
     cpu_with_memory = dataclasses.replace(CPU, gpu_memory_gib=1.0)
     plan = make_plan(ppo(), cpu_with_memory, sizes=ModelSizes(actor=huge))
-    assert plan.group("actor").memory_gib > 100 and plan.notes == []
+    assert plan.group("actor").memory_gib > 100
+    assert [n for n in plan.notes if not n.startswith("checkpoints: ")] == []  # no memory note
 
 
 def test_render_shows_the_parts():

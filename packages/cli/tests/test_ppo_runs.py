@@ -494,6 +494,17 @@ def test_async_then_partial_rollout_resumed_trains_each_prompt_once_within_the_b
     assert [r["sync/weight_version"] for r in rows] == [4.0, 5.0]
 
 
+def test_partial_rollout_with_long_generations_lands_updates_mid_generation(tmp_path, async_engine):
+    """Long generations (the untrained model rarely stops: up to 128 tokens) outlast an update, so with
+    partial rollout the weight sync lands in the middle of the next batch's generation: some samples'
+    tokens span two weight versions (``sync/mixed_version_frac`` > 0), each within the staleness bound."""
+    long = ("--rollout.max_new_tokens", "128", "--train.num_steps", "4", "--train.async.max_staleness", "1")
+    rows = async_ppo(tmp_path / "run", async_engine, *long, "--train.async.partial_rollout").history
+    assert max(r["sync/mixed_version_frac"] for r in rows) > 0.0, [r["sync/mixed_version_frac"] for r in rows]
+    assert all(r["sync/staleness_max"] <= 1.0 for r in rows)
+    assert max(r["rollout/response_length"] for r in rows) > 32
+
+
 def test_an_engine_runs_its_model_in_its_actor_or_in_the_one_process_it_starts(shared_engines, ray_cluster):
     """The in-process engine (``LLM``) starts no process; the asynchronous one (``AsyncLLM``) one, its engine
     core, which runs the model itself: on vLLM-CPU it would otherwise start a worker process behind a
