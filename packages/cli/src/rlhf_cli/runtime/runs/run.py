@@ -260,9 +260,9 @@ def prepare_run(
         check_resumable(found, cfg.model_dump(mode="json"), resumable=resumable)
         state = read_run_state(found)
         print(f"--ckpt.load_enable: resuming from {found} (step {state.step})", file=sys.stderr)
-    elif cfg.ckpt.load_enable:
+    elif cfg.ckpt.load_enable:  # (a run stopped before its first checkpoint): its outputs are replaced
         print(f"--ckpt.load_enable: no checkpoint in {ckpt_root}; starting from step 0", file=sys.stderr)
-    claim_run_dir(run_dir, resuming=found is not None, overwrite=cfg.logger.overwrite)
+    claim_run_dir(run_dir, resuming=found is not None, overwrite=cfg.logger.overwrite or cfg.ckpt.load_enable)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
