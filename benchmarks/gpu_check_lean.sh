@@ -61,7 +61,7 @@ install() {  # wheels first (setuptools among them), then source packages, which
     [ -e "${files[0]}" ] || return 0
     limited 300 "$PY" -m pip install --no-index --no-deps --no-build-isolation --target "$SITE" "${files[@]}" >>"$log" 2>&1
 }
-if ls "$WHEELS"/*.whl "$WHEELS"/*.tar.gz >/dev/null 2>&1; then
+if compgen -G "$WHEELS/*.whl" >/dev/null || compgen -G "$WHEELS/*.tar.gz" >/dev/null; then
     install "*.whl" && install "*.tar.gz"
     rc=$?
     if [ "$rc" = 0 ]; then

@@ -7,9 +7,9 @@ from rlhf_algos import (
     compute_advantages,
     distill_advantages,
     generalized_jsd,
-    renormalize,
     reverse_kl,
     token_divergence,
+    with_rest,
 )
 
 
@@ -81,8 +81,14 @@ def test_jsd_tends_to_the_scaled_kls_at_its_ends_and_checks_beta():
         generalized_jsd(s, t, 1.0)
 
 
-def test_renormalizing_the_whole_vocabulary_changes_nothing_and_a_subset_sums_to_one():
+def test_the_rest_bucket_adds_nothing_for_the_whole_vocabulary_and_counts_mass_outside_the_top_k():
     logp = torch.log_softmax(torch.randn(3, 9), -1)
-    torch.testing.assert_close(renormalize(logp), logp)
-    top = renormalize(logp.topk(4, dim=-1).values)
+    full = with_rest(logp)
+    assert full.shape == (3, 10) and float(full[:, -1].exp().max()) <= 1.01e-12
+    top = with_rest(logp.topk(4, dim=-1).values)
     torch.testing.assert_close(top.exp().sum(-1), torch.ones(3))
+    # a student with all its mass off the teacher's single top token is far from it, not equal to it
+    teacher, student = _dist(0.9, 0.05, 0.05), _dist(0.01, 0.5, 0.49)
+    t1, s1 = with_rest(teacher[:1]), with_rest(student[:1])  # top 1: token 0, then the rest
+    assert float(token_divergence(s1, t1, loss="forward_kl")) > 1.0
+    torch.testing.assert_close(t1.exp(), torch.tensor([0.9, 0.1]))

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from rlhf_algos import renormalize, token_divergence
+from rlhf_algos import token_divergence, with_rest
 from rlhf_learner.models import Actor, load_causal_lm, load_reference
 from rlhf_learner.packing import pack_sequences
 from rlhf_learner.steps import DistillBatch, ModelRows, distill_step, teacher_distributions
@@ -17,7 +17,7 @@ from rlhf_testkit import TinyModelSpec, build_tiny_model
 
 def _divergence(loss: str):
     def fn(student, teacher):
-        return token_divergence(renormalize(student), renormalize(teacher), loss=loss)
+        return token_divergence(with_rest(student), with_rest(teacher), loss=loss)
 
     return fn
 

@@ -9,9 +9,9 @@ from rlhf_algos.distill import (
     DistillLoss,
     distill_advantages,
     generalized_jsd,
-    renormalize,
     reverse_kl,
     token_divergence,
+    with_rest,
 )
 from rlhf_algos.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -82,7 +82,6 @@ __all__ = [
     "pairwise_rm_loss",
     "policy_loss",
     "register_estimator",
-    "renormalize",
     "reverse_kl",
     "sft_loss",
     "stop_penalty",
@@ -90,4 +89,5 @@ __all__ = [
     "token_level_rewards",
     "value_loss",
     "vllm_is_weights",
+    "with_rest",
 ]

@@ -14,9 +14,9 @@ __all__ = [
     "DistillLoss",
     "distill_advantages",
     "generalized_jsd",
-    "renormalize",
     "reverse_kl",
     "token_divergence",
+    "with_rest",
 ]
 
 DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -45,10 +45,14 @@ def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: tor
     return masked_mean(student_logp - teacher_logp, mask)
 
 
-def renormalize(logp: torch.Tensor) -> torch.Tensor:
-    """Log-probs over a subset of the vocabulary (the teacher's top k) made a distribution on it:
-    ``log p_i - log sum_j p_j`` over the last axis (no change when the subset is the whole vocabulary)."""
-    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+def with_rest(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs of K tokens (the teacher's top k) plus one outcome for every other token:
+    ``[..., K] -> [..., K + 1]``, the last ``log(1 - sum_k p_k)``, floored at ``log 1e-12`` (so the
+    whole vocabulary, K = V, adds nothing measurable). A divergence over these K + 1 outcomes is exact (the
+    mass a distribution puts outside the K tokens counts), as in top-k distillation with a tail bucket."""
+    total = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=0.0)
+    rest = torch.log((-torch.expm1(total)).clamp(min=1e-12))
+    return torch.cat([logp, rest], dim=-1)
 
 
 def _kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
@@ -77,8 +81,8 @@ def token_divergence(
     student_logp: torch.Tensor, teacher_logp: torch.Tensor, *, loss: DistillLoss, beta: float = 0.5
 ) -> torch.Tensor:
     """Per-position divergence of the student's next-token distribution from the teacher's, ``[...]`` from
-    ``[..., V]`` log-probs over the same tokens (the vocabulary, or the teacher's top k, each renormalised
-    there with :func:`renormalize`):
+    ``[..., V]`` log-probs over the same outcomes (the vocabulary, or the teacher's top k and the rest of the
+    vocabulary as one outcome, :func:`with_rest`):
 
     - ``forward_kl``: ``KL(p_T || p_S)``, classic knowledge distillation (Hinton et al., 2015,
       arXiv:1503.02531): mode-covering;

@@ -28,7 +28,7 @@ class RemoteReward:
 
     A batch of ``m`` samples is cut into ``len(urls)`` contiguous shards, one per URL, sent
     concurrently. A server answers ``{"rewards": [...], "scores": [...]?, "extra_logs": {...}?}``
-    with one value per sample of its shard. Connection errors, timeouts and 5xx answers are retried
+    with one value per sample of its shard. Connection errors, timeouts, 5xx, 408 and 429 answers are retried
     ``retries`` times with exponential backoff (``backoff_s * 2**attempt``), each retry logged as a
     warning and counted in the result's ``extra_logs[RETRIES_KEY]``; 4xx answers and malformed bodies fail
     at once. Every error names the URL.
@@ -101,7 +101,7 @@ class RemoteReward:
             except httpx.TransportError as err:
                 last = f"{type(err).__name__}: {err}"
                 continue
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 or resp.status_code in (408, 429):  # overloaded or slow: retried
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 continue
             if resp.status_code >= 400:

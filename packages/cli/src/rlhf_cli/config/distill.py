@@ -33,8 +33,9 @@ class DistillAlgo(Section):
     """jsd only: the teacher's weight in the mixture (towards 0 it acts like forward KL, towards 1 like
     reverse KL)."""
     top_k: int | None = Field(None, ge=1)
-    """Match the teacher's k most likely tokens at each position (both distributions renormalised over
-    them), which bounds the teacher's targets to k values a token; unset: the whole vocabulary."""
+    """Match the teacher's k most likely tokens at each position, plus one outcome for all the others
+    (the student's mass elsewhere counts), which bounds the teacher's targets to k values a token; unset:
+    the whole vocabulary."""
 
     @model_validator(mode="after")
     def _beta_for_jsd(self) -> DistillAlgo:

@@ -147,7 +147,8 @@ def _loader(cfg: DistillConfig) -> Callable[[Path, Any, str], list]:
 def _student_vocab(groups: Groups) -> int | None:
     from transformers import AutoConfig
 
-    return getattr(AutoConfig.from_pretrained(groups.model.spec.model_path), "vocab_size", None)
+    config = AutoConfig.from_pretrained(groups.model.spec.model_path)
+    return getattr(config.get_text_config(), "vocab_size", None)  # (a multimodal model's text part)
 
 
 def plan(cfg: DistillConfig) -> Plan:

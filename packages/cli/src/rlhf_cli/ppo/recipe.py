@@ -30,7 +30,14 @@ from rlhf_cli.runtime.plan.cluster import ClusterResources, placement_groups
 from rlhf_cli.runtime.plan.model_sizes import ModelSizes
 from rlhf_cli.runtime.plan.placement import Plan, make_plan
 from rlhf_cli.runtime.runs.checkpoint import RunState, resumable_changes
-from rlhf_cli.runtime.runs.run import EvalSchedule, Run, dry_run_plan, prepare_run, resolve_model
+from rlhf_cli.runtime.runs.run import (
+    EvalSchedule,
+    Run,
+    claim_run_dir,
+    dry_run_plan,
+    prepare_run,
+    resolve_model,
+)
 from rlhf_rollout import EngineClient
 from transformers import AutoTokenizer
 
@@ -155,6 +162,8 @@ def demo_teacher(cfg: PPOConfig) -> Path:
     """The distillation demo's teacher (``cfg.demo_teacher``): the large demo model trained on the built-in
     task with the demo's warm-up and GRPO, for as many steps as the run has, in ``<run_dir>/teacher``
     (its final model is reused when it is there, e.g. by a resumed run)."""
+    if not (cfg.ckpt.load_enable or cfg.logger.overwrite):  # the student's folder, refused before the teacher
+        claim_run_dir(Path(cfg.logger.run_dir).absolute(), resuming=False, overwrite=False)
     run_dir = Path(cfg.logger.run_dir) / "teacher"
     final = run_dir / "final_model"
     if (final / "config.json").is_file():

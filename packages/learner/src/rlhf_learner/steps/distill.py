@@ -45,6 +45,11 @@ def distill_divergences(
     of the teacher's K tokens, gathered from its whole distribution, against the teacher's. Also returns
     the model's output."""
     out = model(batch.input_ids, **batch.model_inputs(), return_vocab_logp=True)
+    vocab = out.vocab_logp.shape[-1]
+    if batch.teacher_ids.numel() and int(batch.teacher_ids.max()) >= vocab:
+        raise ValueError(
+            f"teacher_ids: token {int(batch.teacher_ids.max())} is outside the student's {vocab}-token vocabulary"
+        )
     student = out.vocab_logp[batch.loss_mask.bool()].gather(-1, batch.teacher_ids.long())
     return divergence_fn(student, batch.teacher_logp.to(student.dtype)), out
 
@@ -55,7 +60,7 @@ def distill_step(
     """Knowledge distillation. ``engine`` wraps an ``Actor``; each micro-batch is a
     :class:`~rlhf_learner.steps.DistillBatch`. The loss is the token mean over the
     step of :func:`distill_divergences`, ``divergence_fn(student_logp, teacher_logp)`` (e.g. rlhf-algos' ``token_divergence`` over
-    ``renormalize``-d log-probs). Metrics: ``divergence`` (the same mean) and ``nll`` of the targets."""
+    ``with_rest`` log-probs). Metrics: ``divergence`` (the same mean) and ``nll`` of the targets."""
 
     def compute(mb: DistillBatch, c: WindowCounts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         div, out = distill_divergences(engine, mb, divergence_fn=divergence_fn)

@@ -71,11 +71,9 @@ def kto_step_args(s: KTOSettings) -> dict[str, Any]:
 def distill_divergence_fn(s: DistillSettings) -> Any:
     """The divergence ``rlhf_learner.distill_step`` takes: ``s.loss`` between the two distributions, each
     renormalised over the K tokens given (no change when they are the whole vocabulary)."""
-    from rlhf_algos import renormalize, token_divergence
+    from rlhf_algos import token_divergence, with_rest
 
     def divergence(student_logp: Any, teacher_logp: Any) -> Any:
-        return token_divergence(
-            renormalize(student_logp), renormalize(teacher_logp), loss=s.loss, beta=s.beta
-        )  # type: ignore[arg-type]
+        return token_divergence(with_rest(student_logp), with_rest(teacher_logp), loss=s.loss, beta=s.beta)  # type: ignore[arg-type]
 
     return divergence

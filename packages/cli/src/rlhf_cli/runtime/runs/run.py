@@ -65,7 +65,7 @@ def resolve_model(pretrain: Path | str | None, run_dir: Path, demo: str = "small
         return Path(pretrain).absolute()
     from rlhf_cli.demo.task import build_demo_model
 
-    return build_demo_model(run_dir / "base_model", demo)
+    return build_demo_model(run_dir / ("base_model" if demo == "small" else f"base_model_{demo}"), demo)
 
 
 def _sizes(cfg: PPOConfig | OfflineConfig, pretrain: Path | str | None) -> ModelSizes:
