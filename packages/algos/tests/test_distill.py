@@ -82,9 +82,9 @@ def test_jsd_tends_to_the_scaled_kls_at_its_ends_and_checks_beta():
 
 
 def test_the_rest_bucket_adds_nothing_for_the_whole_vocabulary_and_counts_mass_outside_the_top_k():
-    logp = torch.log_softmax(torch.randn(3, 9), -1)
+    logp = torch.log_softmax(torch.randn(3, 9, generator=torch.Generator().manual_seed(0)), -1)
     full = with_rest(logp)
-    assert full.shape == (3, 10) and float(full[:, -1].exp().max()) <= 1.01e-12
+    assert full.shape == (3, 10) and float(full[:, -1].exp().max()) <= 1e-6  # float32 rounding of the sum
     top = with_rest(logp.topk(4, dim=-1).values)
     torch.testing.assert_close(top.exp().sum(-1), torch.ones(3))
     # a student with all its mass off the teacher's single top token is far from it, not equal to it

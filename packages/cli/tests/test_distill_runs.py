@@ -49,8 +49,10 @@ def _run(flags: list[str], run_dir: Path, *more: str):
 
 
 def test_each_divergence_brings_the_student_closer_to_its_teacher(ray_cluster, flags, tmp_path):
-    for loss in ("forward_kl", "reverse_kl", "jsd"):
-        result = _run(flags, tmp_path / loss, "--algo.loss", loss)
+    """Forward KL, reverse KL, and JSD over the teacher's top 8 (plus the rest): the held-out divergence
+    falls."""
+    for loss, more in (("forward_kl", ()), ("reverse_kl", ()), ("jsd", ("--algo.top_k", "8"))):
+        result = _run(flags, tmp_path / loss, "--algo.loss", loss, *more)
         a = rows(result.run_dir)
         assert a[-1]["eval/divergence"] < 0.8 * a[0]["eval/divergence"], (loss, a)
         assert a[-1]["train/loss"] < a[0]["train/loss"]
@@ -68,21 +70,18 @@ def test_top_k_of_the_vocabulary_precomputed_once_equals_the_full_teacher_each_s
     top = rows(_run(flags, tmp_path / "top", "--algo.top_k", str(vocab), "--teacher.precompute").run_dir)
     for x, y in zip(full, top, strict=True):
         assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-4)
-    few = rows(_run(flags, tmp_path / "few", "--algo.top_k", "8").run_dir)
-    assert few[0]["train/loss"] != pytest.approx(full[0]["train/loss"], rel=1e-3)  # another objective
-    assert few[-1]["eval/divergence"] < few[0]["eval/divergence"]
 
 
 def test_a_run_killed_at_its_teacher_resumes_to_the_uninterrupted_run(ray_cluster, flags, tmp_path):
     """The teacher's rank SIGKILLed while it scores a step's examples: the driver starts both groups again
     and resumes from the latest checkpoint itself (--train.max_restarts), and ends as the uninterrupted
     run, bit for bit."""
-    steps = [*flags, "--train.num_steps", "8", "--eval.every", "4", "--ckpt.save_steps", "1"]
+    steps = [*flags, "--train.num_steps", "6", "--eval.every", "3", "--ckpt.save_steps", "1"]
     whole = _run(steps, tmp_path / "whole")
     address = ray_cluster.get_runtime_context().gcs_address
     run_dir = tmp_path / "killed"
     d = Driver("distill", steps, address, run_dir)
-    d.wait_steps(kill_steps_rng().randint(2, 5))
+    d.wait_steps(kill_steps_rng().randint(2, 4))
     scoring = []  # the teacher's rank, caught while it scores a step's examples
 
     def caught() -> bool:

@@ -90,7 +90,7 @@ def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path):
         "--logger.run_dir",
         str(run_dir),
     ]
-    argv += ["--train.num_steps", "2", "--train.warmup_sft_steps", "2", "--eval.every", "0"]
+    argv += ["--train.num_steps", "1", "--train.warmup_sft_steps", "2", "--eval.every", "0"]
     argv += ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--ckpt.save_steps", "1"]
     out = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -102,7 +102,7 @@ def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path):
     assert (student["num_hidden_layers"], student["hidden_size"]) == (2, 128)
     assert all("distill/reverse_kl" not in r for r in metrics(run_dir / "teacher"))  # GRPO on the reward
     rows = metrics(run_dir)
-    assert len(rows) == 2 and all(r["distill/reverse_kl"] > 0 and r["time/teacher"] > 0 for r in rows)
+    assert len(rows) == 1 and rows[0]["distill/reverse_kl"] > 0 and rows[0]["time/teacher"] > 0
     assert f"pretrain: {teacher.absolute()}" in (run_dir / "config.yaml").read_text()
     # resumed at its last checkpoint: the same teacher, found, not trained again
     again = subprocess.run(

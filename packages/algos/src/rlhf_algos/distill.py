@@ -47,8 +47,8 @@ def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: tor
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
     """Log-probs of K tokens (the teacher's top k) plus one outcome for every other token:
-    ``[..., K] -> [..., K + 1]``, the last ``log(1 - sum_k p_k)``, floored at ``log 1e-12`` (so the
-    whole vocabulary, K = V, adds nothing measurable). A divergence over these K + 1 outcomes is exact (the
+    ``[..., K] -> [..., K + 1]``, the last ``log(1 - sum_k p_k)``, floored at ``log 1e-12`` (for the
+    whole vocabulary, K = V, it holds only the sum's rounding, about 1e-7 in float32). A divergence over these K + 1 outcomes is exact (the
     mass a distribution puts outside the K tokens counts), as in top-k distillation with a tail bucket."""
     total = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=0.0)
     rest = torch.log((-torch.expm1(total)).clamp(min=1e-12))
