@@ -12,7 +12,7 @@ import pytest
 def test_an_engine_still_starting_is_killed_at_once_and_a_started_one_shut_down(ray_cluster, demo_model_dir):
     import ray
     from ray.exceptions import RayActorError
-    from rlhf_cli.ppo.components import _stop_engine
+    from rlhf_cli.ppo.engine_restarts import stop_engine as _stop_engine
     from rlhf_rollout import create_engines, engines_started
 
     def launch():

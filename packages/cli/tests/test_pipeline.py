@@ -22,14 +22,15 @@ class Engines:
     def __init__(self, seed: int) -> None:
         self.version = 1
         self.rng = random.Random(seed)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # WeightPush's: held while weights move
+        self._logging = threading.Lock()
         self.events: list[tuple] = []
         self.generating = 0
         self.paused = False
         self.trained = 0  # steps the trainer finished
 
     def log(self, *event) -> None:
-        with self.lock:
+        with self._logging:
             self.events.append(event)
 
     # WeightPush

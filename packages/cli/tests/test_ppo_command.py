@@ -77,22 +77,20 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert len(metrics(run_dir)) == len(rows)
 
 
-def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path):
+def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path, capsys):
     """`rlhf ppo --algo.advantage.estimator distill` with no model given: the large demo model learns the
     task first (warm-up and GRPO) in run_dir/teacher, then teaches the small one; a resumed run finds that
     teacher instead of training another."""
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.recipe import demo_teacher
+
     run_dir = tmp_path / "run"
-    argv = [
-        str(BIN / "rlhf"),
-        "ppo",
-        "--algo.advantage.estimator",
-        "distill",
-        "--logger.run_dir",
-        str(run_dir),
-    ]
-    argv += ["--train.num_steps", "1", "--train.warmup_sft_steps", "2", "--eval.every", "0"]
-    argv += ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--ckpt.save_steps", "1"]
-    out = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
+    flags = ["--algo.advantage.estimator", "distill", "--logger.run_dir", str(run_dir)]
+    flags += ["--train.num_steps", "1", "--train.warmup_sft_steps", "2", "--eval.every", "0"]
+    flags += ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--ckpt.save_steps", "1"]
+    out = subprocess.run(
+        [str(BIN / "rlhf"), "ppo", *flags], env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     teacher = run_dir / "teacher" / "final_model"
     assert "distillation demo: training the teacher" in out.stderr
@@ -105,10 +103,8 @@ def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path):
     assert len(rows) == 1 and rows[0]["distill/reverse_kl"] > 0 and rows[0]["time/teacher"] > 0
     assert f"pretrain: {teacher.absolute()}" in (run_dir / "config.yaml").read_text()
     # resumed at its last checkpoint: the same teacher, found, not trained again
-    again = subprocess.run(
-        [*argv, "--ckpt.load_enable"], env=ENV, capture_output=True, text=True, timeout=300
-    )
-    assert f"distillation demo: the teacher in {teacher}" in again.stderr, again.stderr[-3000:]
+    assert demo_teacher(build_config(PPOConfig, [*flags, "--ckpt.load_enable"])) == teacher
+    assert f"distillation demo: the teacher in {teacher}" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

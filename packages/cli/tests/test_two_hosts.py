@@ -7,9 +7,9 @@ authentication on; the drivers run in host A, and the run folder is on the files
 - ``rlhf ppo --actor.num_nodes 2``: a ZeRO-3 rank on each host, the engine on host B, the weights synced
   over gloo across the link (what ``--weightsync.transport auto`` resolves to, as the run logs), the
   engine's log-probs equal to the learner's after every sync. Killed with SIGKILL at the driver, then at
-  the engine inside a generation, then inside a weight sync: every run ends within a minute naming what
-  died, and the last resume ends with the uninterrupted run's weights and metrics (checkpoints written
-  from both hosts into one run folder).
+  the engine inside a weight sync: every run ends within a minute naming what died, and the last resume
+  ends with the uninterrupted run's weights and metrics (checkpoints written from both hosts into one run
+  folder).
 - Host B lost mid-run (its link goes dark, every process in it dies): the run ends within a minute in one
   line naming the host and the rank and engine that were on it, and leaves nothing running on host A.
   Runs last: host B stays down.
@@ -96,7 +96,7 @@ def test_sft_data_parallel_across_hosts_gives_the_losses_of_one_host(
                 assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
 
 
-PPO_STEPS = 8
+PPO_STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -140,15 +140,15 @@ def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninter
 
     resume = [*ppo_flags, "--ckpt.load_enable"]
     latest = run_dir / "checkpoints" / "latest"
-    # 2. and 3. the engine, frozen in a generation, then in a weight sync, and killed there
-    for method in ("generate", "receive_weights"):
-        d = driver(resume, run_dir)
-        d.wait_steps(int(latest.read_text()[-6:]) + 1)
-        (engine,) = ray_workers("EngineActor", d.started_since_boot, cluster.hosts[1])
-        freeze_in_call(d, engine, method)
-        assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
+    # 2. the engine, frozen in a weight sync and killed there (one killed in a generation is replaced
+    # while the run goes on: test_kill_resume.py; here --train.max_restarts 0 stops at either)
+    d = driver(resume, run_dir)
+    d.wait_steps(int(latest.read_text()[-6:]) + 1)
+    (engine,) = ray_workers("EngineActor", d.started_since_boot, cluster.hosts[1])
+    freeze_in_call(d, engine, "receive_weights")
+    assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
 
-    rc, _, err = driver(resume, run_dir).finish()  # 4. to the end
+    rc, _, err = driver(resume, run_dir).finish()  # 3. to the end
     assert rc == 0, err[-3000:]
     assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")

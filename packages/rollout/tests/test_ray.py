@@ -145,3 +145,74 @@ def test_engines_not_waited_for_return_while_they_start_and_their_start_up_error
     finally:
         for h in launched:
             ray.kill(h, no_restart=True)
+
+
+class _Replacer:
+    """Starts a transformers engine in the dead one's bundle (the weights are the model folder's: no
+    trainer here), and records what it was asked."""
+
+    def __init__(self, pg, model_dir) -> None:
+        self.pg, self.model_dir = pg, model_dir
+        self.started: list[int] = []
+        self.loads = 0
+        self.made: list = []
+
+    def start(self, index: int, error: BaseException) -> object:
+        self.started.append(index)
+        (engine,) = create_engines(
+            num_engines=1,
+            backend="transformers",
+            engine_kwargs=dict(model=str(self.model_dir), max_model_len=512),
+            placement_group=self.pg,
+            bundle_indices=[[1, 0][index]],
+            num_cpus_per_engine=0.5,
+            env_vars={"OMP_NUM_THREADS": "1"},
+        )
+        self.made.append(engine)
+        return engine
+
+    def load_weights(self) -> None:
+        self.loads += 1
+
+
+def test_an_engine_that_dies_mid_call_is_replaced_and_its_shard_generated_again(
+    two_hf_engines, tiny_model_dir
+):
+    """An engine killed while it serves its shard: the client starts another in its place (through the
+    replacer), which generates that shard again with the shard's seed, so the batch equals an uninterrupted
+    one, in the blocking and the asynchronous call; past ``max_replacements`` the death is raised, as is
+    an error that is not a death."""
+    from rlhf_rollout import engine_death
+    from rlhf_rollout.engine_faults import EngineFaults
+
+    pg, engines = two_hf_engines
+    p = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=5)
+    prompts = PROMPTS * 2
+    expected = EngineClient(engines).generate(prompts, p)
+    replacer = _Replacer(pg, tiny_model_dir)
+    client = EngineClient(list(engines), replacer=replacer, max_replacements=2)
+    try:
+        calls = client.submit(client.shards(prompts, p)[0])  # engine 0 busy, then killed mid-call
+        ray.kill(client.engines[0])
+        assert client.generate(prompts, p) == expected
+        with pytest.raises(ray.exceptions.RayActorError) as dead:
+            ray.get(calls[1], timeout=60)
+        assert engine_death(dead.value)
+        ray.kill(client.engines[1])  # the asynchronous call, on the other engine
+        assert asyncio.run(client.agenerate(prompts, p)) == expected
+        assert replacer.started == [0, 1] and replacer.loads == 2
+        assert client.faults.restarts == 2 and client.faults.seconds_lost > 0
+        assert set(EngineFaults(restarts=2, seconds_lost=1.0).metrics()) == {
+            "fault/engine_restarts",
+            "fault/engine_seconds_lost",
+        }
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:  # a call's own error: raised, not healed
+            client.generate([[]], p)
+        assert not engine_death(failed.value)
+        ray.kill(client.engines[0])  # one death more than allowed
+        with pytest.raises(ray.exceptions.RayActorError):
+            client.generate(prompts, p)
+        assert replacer.started == [0, 1]
+    finally:
+        for e in replacer.made:
+            ray.kill(e)

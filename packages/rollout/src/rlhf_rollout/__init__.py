@@ -17,6 +17,7 @@ from rlhf_rollout.engine import (
     WeightSyncRPC,
     check_prompts,
 )
+from rlhf_rollout.engine_faults import EngineFaults, EngineReplacer, engine_death
 from rlhf_rollout.executors import (
     AgentEnv,
     AgentExecutorBase,
@@ -33,6 +34,7 @@ from rlhf_rollout.openai_server import CallRecord, OpenAIServer
 from rlhf_rollout.ray_engines import (
     EngineActor,
     EngineClient,
+    Shard,
     create_engines,
     engines_started,
 )
@@ -52,6 +54,8 @@ __all__ = [
     "EngineActor",
     "EngineCapabilities",
     "EngineClient",
+    "EngineFaults",
+    "EngineReplacer",
     "FinishReason",
     "Generation",
     "MultiTurnExecutor",
@@ -64,6 +68,7 @@ __all__ = [
     "RewardSource",
     "RolloutEngine",
     "SamplingParams",
+    "Shard",
     "SingleTurnExecutor",
     "StepResult",
     "TokenGenerator",
@@ -78,6 +83,7 @@ __all__ = [
     "chat_feedback_tokens",
     "check_prompts",
     "create_engines",
+    "engine_death",
     "engines_started",
     "load_reward_func",
     "oldest_version",

@@ -53,8 +53,8 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def training_metrics(run_dir: Path) -> list[dict]:
-    """Every logged row without its timings (which differ from run to run)."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(run_dir)]
+    """Every logged row without its timings and fault counts (which differ from run to run)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "fault/"))} for r in rows(run_dir)]
 
 
 def ray_workers(kind: str, since_boot: float, host: Host | None = None) -> list[psutil.Process]:

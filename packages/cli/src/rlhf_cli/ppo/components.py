@@ -4,16 +4,15 @@ the moment it starts, so a failed start-up is cleaned up by the same path as a f
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.run import data_parallel_size
+from rlhf_cli.ppo.engine_restarts import EngineLauncher, EngineReplacement
 from rlhf_cli.runtime.learners.group import LearnerGroup, launch_groups, worker_env
 from rlhf_cli.runtime.learners.specs import GroupSpec, group_strategy
 from rlhf_cli.runtime.learners.weight_sync import EngineWeightSync
@@ -21,7 +20,7 @@ from rlhf_cli.runtime.plan.cluster import PlacementGroups
 from rlhf_cli.runtime.plan.placement import GroupPlan, Plan, eager_engines
 from rlhf_cli.runtime.runs.checkpoint import zero_partitioned
 from rlhf_cli.runtime.runs.failures import Stops, get_all
-from rlhf_rollout import EngineClient, create_engines, engines_started
+from rlhf_rollout import EngineClient, create_engines
 from rlhf_rollout.backends import EngineSettings, rollout_backend
 
 __all__ = ["Components", "start_components"]
@@ -141,12 +140,10 @@ def engine_settings(cfg: PPOConfig, path: str, *, gpu: bool, params: int) -> Eng
     )
 
 
-def _launch_engines(
+def _engine_launcher(
     cfg: PPOConfig, plan: Plan, pgs: PlacementGroups, path: str, stop_at_exit: Stops, asynchronous: bool
-) -> tuple[list[Any], list[Any]]:
-    """``--rollout.num_engines`` engines on the engines' placement group, each one's stop registered as it
-    is created; returned while they start, with what to wait on (``engines_started``)."""
-
+) -> EngineLauncher:
+    """How the run starts its engines: on the engines' placement group, each on its bundles and cores."""
     eg = plan.group("engines")
     host = plan.group(eg.share) if eg.share else eg  # colocated: the engines sit on the host's bundles
     env = dict(worker_env())
@@ -158,25 +155,24 @@ def _launch_engines(
     if note:  # once, at start-up: a mismatch the user asked for
         print(f"warning: {note}", file=sys.stderr)
     env |= backend.process_env(settings)
-    handles = create_engines(
-        num_engines=cfg.rollout.num_engines,
+    create = functools.partial(
+        create_engines,
         backend=cfg.rollout.backend,
         engine_kwargs=backend.engine_kwargs(settings),
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         placement_group=pgs["engines"],
-        bundle_indices=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],
         num_cpus_per_engine=eg.bundle.get("CPU", 0),
         num_gpus_per_engine=eg.bundle.get("GPU", 0),
         env_vars=env,
         asynchronous=asynchronous and backend.capabilities.asynchronous,
-        cpu_cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.rollout.num_engines, plan.resources.nodes),
-        wait=False,
     )
-    started = engines_started(handles)
-    for i, (h, ref) in enumerate(zip(handles, started, strict=True)):
-        stop = functools.partial(_stop_engine, h, started=ref)
-        stop_at_exit(stop, actors={h._actor_id.hex(): f"rollout engine {i}"})
-    return handles, started
+    return EngineLauncher(
+        create=create,
+        bundles=[pgs.bundle("engines", host.bundle_index(i)) for i in range(eg.processes)],
+        cores=_engine_cores(_sharded_cores(eg, cfg, plan), cfg.rollout.num_engines, plan.resources.nodes),
+        tp=cfg.rollout.tensor_parallel_size,
+        stop_at_exit=stop_at_exit,
+    )
 
 
 def _sharded_cores(eg: GroupPlan, cfg: PPOConfig, plan: Plan) -> tuple[int, ...]:
@@ -195,22 +191,6 @@ def _engine_cores(cores: tuple[int, ...], engines: int, nodes: int) -> list[list
     per_node = -(-engines // max(1, nodes))
     share = max(1, len(cores) // per_node)
     return [list(cores[(i % per_node) * share : (i % per_node + 1) * share] or cores) for i in range(engines)]
-
-
-def _stop_engine(handle: Any, *, started: Any) -> None:
-    """Shut the engine down, then kill its actor; one still starting (``started`` not ready: a run that
-    failed or was interrupted at start-up) is killed at once, as a call would wait behind its start-up."""
-    import ray
-
-    if ray.wait([started], timeout=0, fetch_local=False)[0]:
-        _quietly(lambda: ray.get(handle.shutdown.remote(), timeout=60))
-    ray.kill(handle, no_restart=True)
-
-
-def _quietly(call: Callable[[], Any]) -> None:
-    """``call()``, its error ignored (a peer that is already gone cannot say goodbye)."""
-    with contextlib.suppress(Exception):
-        call()
 
 
 def start_components(
@@ -233,21 +213,30 @@ def start_components(
     # Everything is created before anything is waited for: each process spends its start-up importing
     # its libraries, and none waits for another's.
     specs = _specs(cfg, plan, path, resume_from)
-    launched = None
+    launched = replacement = None
     if engines is None:
-        launched = _launch_engines(cfg, plan, pgs, path, stop_at_exit, asynchronous)
+        launcher = _engine_launcher(cfg, plan, pgs, path, stop_at_exit, asynchronous)
+        launched = launcher.launch(range(cfg.rollout.num_engines))
+        replacement = EngineReplacement(launcher, limit=cfg.train.max_restarts, timeout_s=cfg.ray.timeout_s)
     groups = launch_groups(specs, plan, pgs, timeout_s=cfg.ray.timeout_s, stop_at_exit=stop_at_exit)
     if launched is not None:
         handles, started = launched
         get_all(started, timeout_s=cfg.ray.timeout_s)  # an engine's death: named
-        tp = cfg.rollout.tensor_parallel_size
-        engines = EngineClient(handles, tensor_parallel_size=tp, timeout_s=cfg.ray.timeout_s)
+        engines = EngineClient(
+            handles,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            timeout_s=cfg.ray.timeout_s,
+            replacer=replacement,
+            max_replacements=cfg.train.max_restarts,
+        )
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(
         groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
     )
-    stop_at_exit(lambda: _quietly(sync.close))
+    if replacement is not None:
+        replacement.sync = sync
+    stop_at_exit(sync.close_quietly)
     print(sync.description, file=sys.stderr)  # the transport `auto` resolved to, e.g. gloo across hosts
     return Components(
         tokenizer=tokenizer,

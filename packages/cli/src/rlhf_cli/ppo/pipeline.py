@@ -35,6 +35,9 @@ class WeightPush(Protocol):
     """The trainer's weight sync (``EngineWeightSync``): the engines' version, and a push of the next."""
 
     version: int
+    lock: contextlib.AbstractContextManager
+    """Held while weights move: a push into paused engines holds it around the pause too (an engine's
+    replacement, which pushes to the engines as they are, waits for it)."""
 
     def push(self, *, version: int) -> SyncReport: ...
 
@@ -190,11 +193,12 @@ class RolloutPipeline:
         version = self.weights.version + 1
         if self.partial:
             assert self.engines is not None
-            try:
-                self.engines.pause(mode="keep")
-                report = self.weights.push(version=version)
-            finally:
-                self.engines.resume()
+            with self.weights.lock:
+                try:
+                    self.engines.pause(mode="keep")
+                    report = self.weights.push(version=version)
+                finally:
+                    self.engines.resume()
         else:
             self._lock_engines()
             try:

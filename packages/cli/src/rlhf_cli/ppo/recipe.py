@@ -129,7 +129,7 @@ def _pipeline(
     rewards = RewardStage(stages.rewards, reward_model=c.reward)
     rollout = RolloutStage(stages.rollout, make_executor=make_executor, prompts=prompts, rewards=rewards)
     batching, a = stages.experience.batching, cfg.train.async_
-    if a.partial_rollout and not all(hasattr(e, "pause") for e in c.engines.engines):
+    if a.partial_rollout and not c.engines.pausable:
         raise ValueError("--train.async.partial_rollout: the engines given cannot pause (not asynchronous)")
 
     def score(batch: RolloutBatch) -> None:

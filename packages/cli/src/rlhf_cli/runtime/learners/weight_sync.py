@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_cli.runtime.learners.group import LearnerGroup
@@ -17,44 +19,79 @@ class SyncReport:
     version: int
     seconds: float
     num_bytes: int
+    faults: dict[str, float] = field(default_factory=dict)
+    """What replacing dead engines has cost the run so far (``fault/*``; empty while none died)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"time/sync": self.seconds, "sync/weight_version": float(self.version)}
+        return {"time/sync": self.seconds, "sync/weight_version": float(self.version)} | self.faults
 
 
 class EngineWeightSync:
-    """The actor group's rank 0 sends; every engine worker receives and resets its prefix cache."""
+    """The actor group's rank 0 sends; every engine worker receives and resets its prefix cache. ``lock``
+    is held while weights move (a caller that pauses the engines around a push holds it around both)."""
 
     def __init__(self, actor: LearnerGroup, engines: Any, *, transport: str, timeout_s: float) -> None:
+        self.actor, self.engines, self.transport, self.timeout_s = actor, engines, transport, timeout_s
+        self.lock = threading.RLock()
+        self.version = 0
+        self._join()
+
+    def _join(self) -> None:
+        """Form the sync group: rank 0 hosts it on a free port, every engine worker joins."""
         import ray
 
-        self.actor, self.engines, self.transport, self.timeout_s = actor, engines, transport, timeout_s
-        addr, port = ray.get(actor.workers[0].node_address.remote(), timeout=timeout_s)
-        world = 1 + len(engines.engines) * engines.tensor_parallel_size
-        joining = engines.init_weight_sync(
-            transport=transport, master_addr=addr, master_port=port, timeout_s=timeout_s
+        addr, port = ray.get(self.actor.workers[0].node_address.remote(), timeout=self.timeout_s)
+        world = 1 + len(self.engines.engines) * self.engines.tensor_parallel_size
+        joining = self.engines.init_weight_sync(
+            transport=self.transport, master_addr=addr, master_port=port, timeout_s=self.timeout_s
         )
-        hosting = actor.start_weight_sync(
-            transport=transport, master_addr=addr, master_port=port, world_size=world, timeout_s=timeout_s
+        hosting = self.actor.start_weight_sync(
+            transport=self.transport,
+            master_addr=addr,
+            master_port=port,
+            world_size=world,
+            timeout_s=self.timeout_s,
         )
-        get_all(joining + hosting, timeout_s=timeout_s)
-        self.version = 0
+        get_all(joining + hosting, timeout_s=self.timeout_s)
         self.description = (
-            f"weight sync: actor rank 0 on {addr} -> {world - 1} engine process(es) over {transport}"
+            f"weight sync: actor rank 0 on {addr} -> {world - 1} engine process(es) over {self.transport}"
         )
         """One line for the run's log: where the weights go from, to how many processes, and how."""
 
     def push(self, *, version: int) -> SyncReport:
         """Send the actor's current weights as ``version`` and wait until every engine loaded them."""
-        t0 = time.perf_counter()
+        with self.lock:
+            t0 = time.perf_counter()
+            sent = self._send(version)
+            self.version = version
+            seconds, faults = time.perf_counter() - t0, self.engines.faults.metrics()
+            return SyncReport(version=version, seconds=seconds, num_bytes=sent.num_bytes, faults=faults)
+
+    def _send(self, version: int) -> Any:
         receiving = self.engines.receive_weights(timeout_s=self.timeout_s)
         sending = self.actor.start_send_weights(version=version)
-        sent = get_all(sending + receiving, timeout_s=self.timeout_s)[0]  # rank 0's SyncStats
-        self.version = version
-        return SyncReport(version=version, seconds=time.perf_counter() - t0, num_bytes=sent.num_bytes)
+        return get_all(sending + receiving, timeout_s=self.timeout_s)[0]  # rank 0's SyncStats
+
+    def rejoin(self) -> None:
+        """After an engine was replaced: the group formed again around the engines as they now are, and
+        the actor's current weights sent to all, labelled as the last version pushed."""
+        with self.lock:
+            self.close_quietly()
+            self._join()
+            self._send(self.version)
 
     def close(self) -> None:
         import ray
 
         ray.get([e.close_weight_sync.remote() for e in self.engines.engines], timeout=self.timeout_s)
         self.actor.close_weight_sync()
+
+    def close_quietly(self) -> None:
+        """Leave the group on every side that still answers (a dead engine cannot say goodbye)."""
+        import ray
+
+        for e in self.engines.engines:
+            with contextlib.suppress(Exception):
+                ray.get(e.close_weight_sync.remote(), timeout=self.timeout_s)
+        with contextlib.suppress(Exception):
+            self.actor.close_weight_sync()
