@@ -10,8 +10,11 @@ authentication on; the drivers run in host A, and the run folder is on the files
   the engine inside a weight sync: every run ends within a minute naming what died, and the last resume
   ends with the uninterrupted run's weights and metrics (checkpoints written from both hosts into one run
   folder).
-- Host B lost mid-run (its link goes dark, every process in it dies): the run ends within a minute in one
-  line naming the host and the rank and engine that were on it, and leaves nothing running on host A.
+- ``rlhf sft --train.elastic`` on two fsdp2 ranks, one per host: host B lost mid-run, the same driver goes
+  on on host A at data-parallel size 1 to the last step. Host B is then brought back.
+- Host B lost mid-run (its link goes dark, every process in it dies) under ``rlhf ppo`` without
+  ``--train.elastic``: one line names the host and the rank and engine that were on it, the restart finds
+  the actor's two nodes missing and ends the run in one line, and nothing is left running on host A.
   Runs last: host B stays down.
 
 The kill steps are drawn at random (``RLHF_KILL_SEED`` is printed).
@@ -23,13 +26,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from rlhf_cli.config import SFTConfig, build_config
 from rlhf_cli.demo import task
 from rlhf_cli.offline import sft
 from rlhf_testkit.commands import (
     Driver,
     assert_died_naming,
-    failed_within,
     freeze_in_call,
     kill_steps_rng,
     kill_worker,
@@ -154,16 +157,78 @@ def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninter
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
 
 
-def test_losing_a_host_ends_the_run_naming_the_host_and_what_ran_there(two_host_ray, ppo_flags, tmp_path):
+def test_an_elastic_run_that_loses_a_host_goes_on_on_the_host_left(
+    two_host_ray, demo_model_dir, tmp_path, shared_processes
+):
+    """``rlhf sft --train.elastic`` on two fsdp2 ranks, one on each host, checkpointed every step: host B is
+    lost after step 2, and the same driver goes on on host A alone, at data-parallel size 1 (the batch
+    kept by twice the accumulation), from the checkpoint both ranks wrote, to the last step. Host B is
+    brought back for the tests after this one."""
     cluster = two_host_ray
     a, b = cluster.hosts
-    d = Driver("ppo", ppo_flags, cluster.address, tmp_path / "run", env=cluster.env, host=a)
+    data = task.write_data("sft", tmp_path / "sft.jsonl", seed=0)
+    flags = [
+        *("--model.pretrain", str(demo_model_dir), "--data.path", str(data), "--data.apply_chat_template"),
+        *("--train.batch_size", "12", "--train.micro_batch_size", "6", "--train.num_steps", "5"),
+        *(
+            "--model.num_nodes",
+            "2",
+            "--learner.backend",
+            "fsdp2",
+            "--ckpt.save_steps",
+            "1",
+            "--eval.every",
+            "0",
+        ),
+        *("--train.elastic", "--train.max_restarts", "1", "--train.seed", "3", *ACROSS, *QUIET),
+    ]
+    run_dir = tmp_path / "run"
+    d = Driver("sft", flags, cluster.address, run_dir, env=cluster.env, host=a)
+    try:
+        on_both_hosts(d, cluster, "LearnerWorker")
+        d.wait_steps(2)
+        b.power_off()
+        rc, _, err = d.finish(timeout=300)
+    finally:
+        with shared_processes():  # the cluster's node, stopped with it
+            cluster.power_on(b, num_cpus=2)
+    assert rc == 0, err[-3000:]
+    assert f"host {b.ip} was lost (Ray node " in err and "; restart 1 of 1, resuming from " in err, err[
+        -3000:
+    ]
+    assert (
+        "--train.elastic: 1 node(s) left: --model.num_nodes 2 -> 1 (2 -> 1 ranks, data-parallel 2 -> 1)"
+        in err
+    ), err[-3000:]
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["train/loss"] > 0 for r in logged)
+    went_on_with = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert went_on_with["model"]["num_nodes"] == 1 and went_on_with["train"]["elastic"]
+
+
+def test_losing_a_host_ends_the_run_naming_the_host_and_what_ran_there(two_host_ray, ppo_flags, tmp_path):
+    """Host B lost mid-run, one restart allowed but no --train.elastic: the restart finds one node where
+    the actor spans two, and the run ends naming what is missing, after a line naming the host and the
+    rank and engine that were on it. The rank on host A is stopped with the run."""
+    cluster = two_host_ray
+    a, b = cluster.hosts
+    flags = [*ppo_flags, "--train.max_restarts", "1"]
+    d = Driver("ppo", flags, cluster.address, tmp_path / "run", env=cluster.env, host=a)
     d.wait_steps(3)  # after the checkpoint of step 2
     lost_at = time.monotonic()
     b.power_off()
-    last = failed_within(d, lost_at, 60)
-    assert last.startswith(f"error: host {b.ip} was lost (Ray node "), last
-    assert "; on it: the actor group's rank 1, rollout engine 0; rerun with --ckpt.load_enable" in last, last
+    rc, _, err = d.finish(timeout=120)
+    assert rc == 2 and time.monotonic() - lost_at < 90, err[
+        -3000:
+    ]  # 2: what the run was given no longer fits
+    lines = err.strip().splitlines()
+    lost = [line for line in lines if line.startswith(f"host {b.ip} was lost (Ray node ")]
+    assert len(lost) == 1, err[-3000:]
+    assert "; on it: the actor group's rank 1, rollout engine 0; restart 1 of 1, resuming from " in lost[0]
+    assert lines[-1].startswith("error: --actor.num_nodes 2: the group spans 2 nodes, the cluster has 1 ("), (
+        lines
+    )
+    assert "--train.elastic" in lines[-1]
     deadline = time.monotonic() + 30  # the rank on host A was stopped with the run
     while ray_workers("LearnerWorker", d.started_since_boot, a):
         assert time.monotonic() < deadline, "the run left its rank running on host A"

@@ -238,6 +238,12 @@ class RayCluster:
         _raise_session(session)
         self.raised.add(session)
 
+    def power_on(self, host: Host, *, num_cpus: int) -> None:
+        """A host that was powered off, back: its link up, its node started again, and joined."""
+        host.set_link(True)
+        self.start_node(host, num_cpus=num_cpus)
+        self.wait_for_nodes(len(self.hosts))
+
     def node_log(self, host: Host) -> Path:
         """The output of ``host``'s ``ray start`` (in the cluster's folder)."""
         return Path(self.temp_dir) / f"start-{host.namespace}.log"

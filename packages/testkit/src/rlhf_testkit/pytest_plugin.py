@@ -1,7 +1,8 @@
 """Pytest plugin (auto-loaded through the ``pytest11`` entry point).
 
 Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`` (a module's Ray cluster
-across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``). Markers: ``gpu`` tests are skipped
+across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``); ``shared_processes``
+(hands what a test starts to a shared fixture). Markers: ``gpu`` tests are skipped
 when CUDA is absent, and run one at a time across the suite's processes (``gpu_lock``: they compare the
 device's free memory, and share one GPU); ``slow`` is registered for end-to-end tests.
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,23 @@ def two_host_ray():
 
     with two_hosts() as hosts, ray_cluster(hosts, cpus=(1, 2)) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def shared_processes(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+    """``with shared_processes():`` in a test: the processes started inside belong to a shared fixture
+    (e.g. a node the test starts again in the module's cluster, which the cluster stops), so the test's
+    leftover check leaves them to that fixture's."""
+
+    @contextlib.contextmanager
+    def adopted() -> Iterator[None]:
+        before = descendants()
+        try:
+            yield
+        finally:
+            request.config.stash.setdefault(_SHARED, set()).update(descendants() - before)
+
+    return adopted
 
 
 @pytest.hookimpl(wrapper=True)

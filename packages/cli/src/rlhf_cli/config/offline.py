@@ -109,6 +109,10 @@ class OfflineTrain(Section):
     max_restarts: int = Field(3, ge=0)
     """When a learner rank, an engine or a host dies, start the run again in this driver from its latest
     checkpoint (from step 0 without one), at most this many times; 0: stop at the first death, naming it."""
+    elastic: bool = False
+    """A restart after a lost host spans the nodes left: a group over more nodes than remain takes fewer,
+    with fewer data-parallel ranks that accumulate more micro-batches (the batch unchanged). Needs a
+    --learner.backend that loads a checkpoint on fewer ranks (fsdp2)."""
 
 
 class PackedTrain(OfflineTrain):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_cli.runtime.learners.weight_sync import EngineWeightSync
-from rlhf_cli.runtime.runs.failures import Stops, describe_death, get_all
+from rlhf_cli.runtime.runs.failures import Stops, describe_death, get_all, lost_host
 from rlhf_rollout import engines_started
 
 __all__ = ["EngineLauncher", "EngineReplacement"]
@@ -62,6 +62,10 @@ class EngineReplacement:
         self.done = 0
 
     def start(self, index: int, error: BaseException) -> Any:
+        """A new engine ``index`` on the dead one's bundle; an engine whose host was lost is not replaced
+        (its bundle has nowhere to go): ``error`` is raised, and the run restarts as a whole."""
+        if lost_host(error, self.launcher.names) is not None:
+            raise error
         self.done += 1
         death = describe_death(error, self.launcher.names)
         print(f"{death}; starting it again (engine restart {self.done} of {self.limit})", file=sys.stderr)

@@ -195,8 +195,8 @@ def _check_fits(groups: list[GroupPlan], resources: ClusterResources, ray_cfg: R
     for g in groups:
         if g.nodes > resources.nodes:
             raise ConfigError(
-                f"--{g.name}.num_nodes {g.nodes}: the group spans {g.nodes} nodes, the cluster has "
-                f"{resources.nodes} (join a cluster of {g.nodes} with --ray.address, or lower it)"
+                f"--{g.name}.num_nodes {g.nodes}: the group spans {g.nodes} nodes, the cluster has {resources.nodes}"
+                f" (join a cluster of {g.nodes} with --ray.address, lower it, or shrink it with --train.elastic)"
             )
     need_cpu = sum(g.processes * g.bundle.get("CPU", 0) for g in groups)
     need_gpu = sum(g.processes * g.bundle.get("GPU", 0) for g in groups)

@@ -51,6 +51,7 @@ class RunState:
 RESUMABLE_CHANGES = (
     "train.num_steps",
     "train.max_restarts",
+    "train.elastic",
     "train.num_epochs",
     "ckpt.",
     "logger.",

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from rlhf_cli.config import OfflineConfig, PPOConfig
 from rlhf_cli.runtime.runs.checkpoint import latest_checkpoint
+from rlhf_cli.runtime.runs.elastic import check_elastic, fit_to_cluster
 from rlhf_cli.runtime.runs.failures import ActorDiedError
 
 __all__ = ["restarted", "with_restarts"]
@@ -55,7 +56,9 @@ def with_restarts(run: Callable[[C], R], cfg: C) -> R:
     group and engine by then) at most ``--train.max_restarts`` times; each death and restart is one line
     on stderr. One more death raises, as a run without restarts does, and so does a death before the
     attempt trained a step (start-up failing the same way again, e.g. a rank out of memory loading its
-    model, is not retried)."""
+    model, is not retried). With ``--train.elastic``, each restart first fits the groups to the nodes left
+    (:func:`fit_to_cluster`)."""
+    check_elastic(cfg)
     limit = cfg.train.max_restarts
     for restart in range(limit + 1):
         started, from_step = time.time(), _checkpoint_step(cfg) if cfg.ckpt.load_enable else 0
@@ -69,4 +72,6 @@ def with_restarts(run: Callable[[C], R], cfg: C) -> R:
                 raise
             cfg, where = restarted(cfg)
             print(f"{err.death}; restart {restart + 1} of {limit}, {where}", file=sys.stderr)
+            if cfg.train.elastic:
+                cfg = fit_to_cluster(cfg)
     raise AssertionError("unreachable")
