@@ -1047,3 +1047,20 @@ def test_a_reward_function_that_raises_ends_the_run_with_its_own_frames(tmp_path
     assert "rlhf_rollout" not in result.stderr and "asyncio" not in result.stderr
     assert lines[-2] == "ValueError: no answer in q1"
     assert lines[-1] == f"error: reward_func in '{path}' raised ValueError('no answer in q1')"
+
+
+def test_a_user_file_that_raises_on_import_ends_with_its_own_frames(tmp_path):
+    """An estimator plugin (any file of theirs that we execute) raising as it is imported: their frames,
+    then one line naming the file."""
+    from rlhf_cli.main import app
+    from typer.testing import CliRunner
+
+    path = tmp_path / "plugin.py"
+    path.write_text("import json\n\nSETTINGS = json.loads('{not json')\n")
+    result = CliRunner().invoke(app, ["ppo", "--algo.advantage.plugin", str(path), "--print-config"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("Traceback (most recent call last):")
+    assert f'File "{path}", line 3, in <module>' in result.stderr
+    assert "rlhf_" not in result.stderr.replace(str(tmp_path), "")
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(f"error: importing estimator plugin {str(path)!r} failed: JSONDecodeError("), last

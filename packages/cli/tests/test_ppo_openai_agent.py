@@ -113,6 +113,15 @@ def test_agent_errors_and_timeouts_name_the_file_and_the_sample():
         finally:
             factory.close()
         assert "\n" not in str(info.value)
+    # the agent's own frames (its file and line) come with the error; none of ours
+    with pytest.raises(RuntimeError) as info:
+        factory = _factory(failing, timeout_s=30.0)
+        try:
+            factory(_Engine(), params).run([[104]], labels=["q"])
+        finally:
+            factory.close()
+    frames = info.value.user_traceback
+    assert f'File "{__file__}"' in frames and "in failing" in frames and "rlhf_rollout" not in frames
 
 
 @pytest.mark.parametrize(

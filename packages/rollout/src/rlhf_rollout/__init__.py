@@ -5,7 +5,7 @@ Engines (vLLM on GPU or CPU, transformers) behind one protocol, Ray actor wrappe
 ``ray`` and ``fastapi`` are imported only by the modules that need them.
 """
 
-from rlhf_rollout._calls import UserCodeError
+from rlhf_rollout._calls import UserCodeError, reworded
 from rlhf_rollout.async_vllm_engine import AsyncEngineActor, AsyncVLLMEngine
 from rlhf_rollout.cores import pin_to_cores
 from rlhf_rollout.engine import (
@@ -89,5 +89,6 @@ __all__ = [
     "oldest_version",
     "pin_to_cores",
     "process_logits",
+    "reworded",
     "trajectories_from_records",
 ]

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["UserCodeError", "named_call", "user_frames"]
+__all__ = ["UserCodeError", "named_call", "reworded", "user_frames"]
 
 _NOT_THEIRS = (str(Path(__file__).resolve().parent), sysconfig.get_paths()["stdlib"])
 """Frames under these folders are ours or Python's, not the user's."""
@@ -24,6 +24,14 @@ class UserCodeError(RuntimeError):
     def __init__(self, message: str, *, user_traceback: str) -> None:
         super().__init__(message)
         self.user_traceback = user_traceback
+
+
+def reworded(err: BaseException, message: str, otherwise: type[Exception] = ValueError) -> Exception:
+    """``err`` told as ``message``: a :class:`UserCodeError` stays one (with its user's frames), any other
+    error becomes ``otherwise(message)``."""
+    if isinstance(err, UserCodeError):
+        return UserCodeError(message, user_traceback=err.user_traceback)
+    return otherwise(message)
 
 
 def user_frames(err: BaseException) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from rlhf_rollout._calls import named_call
+from rlhf_rollout._calls import UserCodeError, named_call, user_frames
 
 __all__ = [
     "RewardFunction",
@@ -100,8 +100,9 @@ def import_python_file(path: str | Path, *, what: str) -> ModuleType:
         text = (err.text or "").strip()
         where = f"{err.filename or path}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
         raise RuntimeError(f"{what} {where}: {err.msg}" + (f": {text}" if text else "")) from None
-    except Exception as err:
-        raise RuntimeError(f"importing {what} {str(path)!r} failed: {err!r}") from err
+    except Exception as err:  # their frames (their file and line), not ours
+        message = f"importing {what} {str(path)!r} failed: {err!r}"
+        raise UserCodeError(message, user_traceback=user_frames(err)) from err
     return module
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from rlhf_algos import ADVANTAGE_ESTIMATORS, ISCorrection, KLEstimator, LossAggregation, RatioType
+from rlhf_rollout import reworded
 from rlhf_rollout.rewards import import_python_file
 
 from rlhf_cli.config._base import Section
@@ -35,8 +36,8 @@ def load_estimator_plugin(path: Path) -> None:
         raise ValueError(f"{str(path)!r} does not exist")
     try:
         module = import_python_file(path, what="estimator plugin")
-    except RuntimeError as err:  # a validator's errors are ValueErrors
-        raise ValueError(str(err)) from None
+    except RuntimeError as err:  # a validator's errors are ValueErrors (the plugin's own: its frames)
+        raise reworded(err, str(err)) from None
     sys.modules[name] = module
 
 

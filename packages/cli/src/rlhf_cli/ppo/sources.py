@@ -28,6 +28,7 @@ from rlhf_rollout import (
     SingleTurnExecutor,
     TokenGenerator,
     Trajectory,
+    reworded,
 )
 from rlhf_rollout.executors.base import agenerate, check_prompt_lengths, engine_max_model_len
 from rlhf_rollout.rewards import check_call, import_python_file
@@ -49,7 +50,7 @@ def load_agent_file(path: Path) -> Any:
     try:
         module = import_python_file(path, what="agent file")
     except (FileNotFoundError, ValueError, RuntimeError) as err:
-        raise ValueError(f"--train.agent_func_path: {err}") from None
+        raise reworded(err, f"--train.agent_func_path: {err}") from None
     found = [name for name in _ENTRY_POINTS if callable(getattr(module, name, None))]
     if not found:
         raise ValueError(
@@ -86,7 +87,7 @@ def _reward_source(cfg: PPOConfig) -> Any:
         try:
             return RewardFunction.from_file(cfg.reward.func, timeout_s=cfg.reward.func_timeout_s)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
-            raise ValueError(f"--reward.func: {err}") from None
+            raise reworded(err, f"--reward.func: {err}") from None
     if cfg.reward.remote_url:
         try:
             token = os.environ.get(REWARD_TOKEN_ENV)
@@ -290,7 +291,7 @@ class _OpenAIAgentRollout(AgentExecutorBase):
         try:
             trajs = await runner.arun(texts, labels=labels)
         except (RuntimeError, ValueError) as err:
-            raise RuntimeError(f"--train.agent_func_path {str(self.path)!r}: {err}") from err
+            raise reworded(err, f"--train.agent_func_path {str(self.path)!r}: {err}", RuntimeError) from err
         return _one_per_episode(trajs)
 
 

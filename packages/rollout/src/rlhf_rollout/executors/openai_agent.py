@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from rlhf_rollout._calls import UserCodeError, user_frames
 from rlhf_rollout.executors.base import Trajectory, check_labels
 
 __all__ = ["OpenAIAgentExecutor", "trajectories_from_records"]
@@ -84,9 +85,10 @@ class OpenAIAgentExecutor:
                         label=labels[i],
                     )
                 )
-            except Exception as err:
+            except Exception as err:  # their frames (their file and line), not ours
                 self.server.pop_records(session)
-                raise RuntimeError(f"agent failed on prompt {i} (sample {j}): {err!r}") from err
+                message = f"agent failed on prompt {i} (sample {j}): {err!r}"
+                raise UserCodeError(message, user_traceback=user_frames(err)) from err
             records = self.server.pop_records(session)
             if not records:
                 raise ValueError(f"agent made no model call on prompt {i} (sample {j})")
