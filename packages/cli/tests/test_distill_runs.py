@@ -6,6 +6,7 @@ before start-up. Runs share the session's Ray cluster."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from rlhf_cli.config import DistillConfig, build_config
 from rlhf_cli.demo import task
 from rlhf_cli.main import app
 from rlhf_cli.offline import distill
-from rlhf_testkit import TinyModelSpec, build_tiny_model
+from rlhf_testkit import SocketWatcher, TinyModelSpec, build_tiny_model
 from rlhf_testkit.commands import (
     Driver,
     kill_steps_rng,
@@ -50,9 +51,11 @@ def _run(flags: list[str], run_dir: Path, *more: str):
 
 def test_each_divergence_brings_the_student_closer_to_its_teacher(ray_cluster, flags, tmp_path):
     """Forward KL, reverse KL, and JSD over the teacher's top 8 (plus the rest): the held-out divergence
-    falls."""
+    falls. Every socket the runs' processes listen on is loopback."""
     for loss, more in (("forward_kl", ()), ("reverse_kl", ()), ("jsd", ("--algo.top_k", "8"))):
-        result = _run(flags, tmp_path / loss, "--algo.loss", loss, *more)
+        with SocketWatcher(os.getpid()) as sockets:  # the run's processes: Ray's workers are ours
+            result = _run(flags, tmp_path / loss, "--algo.loss", loss, *more)
+        assert sockets.seen and not [str(s) for s in sockets.seen if not s.loopback]  # TCP and UDP
         a = rows(result.run_dir)
         assert a[-1]["eval/divergence"] < 0.8 * a[0]["eval/divergence"], (loss, a)
         assert a[-1]["train/loss"] < a[0]["train/loss"]

@@ -6,6 +6,7 @@ function, and bad input fails naming what is wrong. Runs share the session's Ray
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from rlhf_cli.config import DPOConfig, KTOConfig, RMConfig, SFTConfig, build_config
 from rlhf_cli.demo import task
+from rlhf_testkit import SocketWatcher
 
 COMMON = [
     "--logger.progress",
@@ -154,18 +156,22 @@ def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_mode
 
 
 def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, data, tmp_path):
-    result = run(
-        KTOConfig,
-        "kto",
-        tmp_path / "kto",
-        *on(demo_model_dir, data / "kto.jsonl"),
-        "--train.batch_size",
-        "16",
-        "--train.num_steps",
-        "6",
-        "--eval.every",
-        "5",
-    )  # the reference runs as its own group, scoring each step's examples
+    """KTO learns; and every socket its processes listen on (Ray's workers are this process's) is
+    loopback, TCP and UDP."""
+    with SocketWatcher(os.getpid()) as sockets:
+        result = run(
+            KTOConfig,
+            "kto",
+            tmp_path / "kto",
+            *on(demo_model_dir, data / "kto.jsonl"),
+            "--train.batch_size",
+            "16",
+            "--train.num_steps",
+            "6",
+            "--eval.every",
+            "5",
+        )  # the reference runs as its own group, scoring each step's examples
+    assert sockets.seen and not [str(s) for s in sockets.seen if not s.loopback]
     r = rows(result.run_dir)
     assert r[0]["train/loss"] == pytest.approx(0.5, abs=1e-3)  # 1 - sigmoid(0) with policy == reference
     assert r[-1]["train/loss"] < r[0]["train/loss"]
