@@ -19,6 +19,9 @@ def test_groups_over_more_nodes_than_are_left_span_the_nodes_left():
     one, changes = shrink_to(cfg, 1)
     assert (one.actor.world_size, one.ref.world_size) == (2, 1) and len(changes) == 2
     assert shrink_to(cfg, 3) == (cfg, [])
+    odd = build_config(PPOConfig, ["--actor.num_nodes", "3", "--rollout.batch_size", "6"])
+    with pytest.raises(ConfigError, match=r"^--train\.elastic: the run does not fit 2 node\(s\): "):
+        shrink_to(odd, 2)  # 48 samples a step: 16 a rank on 3 ranks; on 2, 24 do not split into 16s
 
 
 def test_elastic_needs_a_backend_that_loads_checkpoints_on_fewer_ranks():

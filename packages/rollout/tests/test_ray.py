@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import pytest
@@ -153,8 +154,9 @@ class _Replacer:
 
     def __init__(self, pg, model_dir) -> None:
         self.pg, self.model_dir = pg, model_dir
+        self.lock = threading.RLock()
         self.started: list[int] = []
-        self.loads = 0
+        self.loads: list[list] = []
         self.made: list = []
 
     def start(self, index: int, error: BaseException) -> object:
@@ -171,8 +173,8 @@ class _Replacer:
         self.made.append(engine)
         return engine
 
-    def load_weights(self) -> None:
-        self.loads += 1
+    def load_weights(self, engines) -> None:
+        self.loads.append(list(engines))
 
 
 def test_an_engine_that_dies_mid_call_is_replaced_and_its_shard_generated_again(
@@ -200,7 +202,8 @@ def test_an_engine_that_dies_mid_call_is_replaced_and_its_shard_generated_again(
         assert engine_death(dead.value)
         ray.kill(client.engines[1])  # the asynchronous call, on the other engine
         assert asyncio.run(client.agenerate(prompts, p)) == expected
-        assert replacer.started == [0, 1] and replacer.loads == 2
+        assert replacer.started == [0, 1] and [len(e) for e in replacer.loads] == [2, 2]
+        assert replacer.loads[1] == client.engines and replacer.loads[0][0] is client.engines[0]
         assert client.faults.restarts == 2 and client.faults.seconds_lost > 0
         assert set(EngineFaults(restarts=2, seconds_lost=1.0).metrics()) == {
             "fault/engine_restarts",

@@ -3,6 +3,8 @@ replacements cost."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -13,13 +15,18 @@ class EngineReplacer(Protocol):
     """Replaces a dead engine actor of an :class:`~rlhf_rollout.EngineClient`.
 
     ``start(index, error)`` starts a new actor in the dead one's place (its bundle, its cores) and returns
-    it once started; the client then puts it at ``index`` and calls ``load_weights()``, which brings every
-    engine of the client to the trainer's current weights (a weight-sync group is rebuilt around the new
-    member). Either may raise: the run then stops with that error."""
+    it once started; ``load_weights(engines)`` then brings ``engines`` (the client's, the new one at
+    ``index``) to the trainer's current weights (a weight-sync group is formed again around them), before
+    the client hands the new engine any call. Either may raise: the client raises that error.
+
+    ``lock`` is held for the whole replacement: the lock that the trainer holds while it moves weights
+    (re-entrant), so that a replacement and a weight push never wait for each other in turn."""
+
+    lock: AbstractContextManager[Any]
 
     def start(self, index: int, error: BaseException) -> Any: ...
 
-    def load_weights(self) -> None: ...
+    def load_weights(self, engines: Sequence[Any]) -> None: ...
 
 
 @dataclass
@@ -27,6 +34,7 @@ class EngineFaults:
     """What engine deaths have cost a client so far."""
 
     restarts: int = 0
+    """Replacements tried (a failed one counts)."""
     seconds_lost: float = 0.0
     """Per replacement: from the lost call's start until the new engine held the current weights."""
 
@@ -39,8 +47,11 @@ class EngineFaults:
 
 
 def engine_death(err: BaseException) -> bool:
-    """``err`` is a Ray actor's death or loss (its process killed, crashed, its node gone), not an actor
-    whose constructor raised (that error is the one to show) nor an error raised by a call."""
-    from ray.exceptions import RayActorError
+    """``err`` is a Ray actor's death (its process killed or crashed), not an actor that is only
+    unreachable for now (its node may be on its way out: the run as a whole handles that), nor an actor
+    whose constructor raised (that error is the one to show), nor an error raised by a call."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
 
-    return isinstance(err, RayActorError) and not getattr(err, "actor_init_failed", False)
+    if isinstance(err, ActorUnavailableError) or not isinstance(err, RayActorError):
+        return False
+    return not getattr(err, "actor_init_failed", False)

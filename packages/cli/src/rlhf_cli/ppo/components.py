@@ -232,7 +232,11 @@ def start_components(
     for g in groups.values():
         g.wait_setup()
     sync = EngineWeightSync(
-        groups["actor"], engines, transport=plan.transport, timeout_s=cfg.weightsync.timeout_s
+        groups["actor"],
+        engines,
+        transport=plan.transport,
+        timeout_s=cfg.weightsync.timeout_s,
+        lock=replacement.lock if replacement is not None else None,
     )
     if replacement is not None:
         replacement.sync = sync

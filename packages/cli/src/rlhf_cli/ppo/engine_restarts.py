@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,8 @@ class EngineReplacement:
 
     def __init__(self, launcher: EngineLauncher, *, limit: int, timeout_s: float) -> None:
         self.launcher, self.limit, self.timeout_s = launcher, limit, timeout_s
+        self.lock = threading.RLock()
+        """The weight sync's lock too (``EngineWeightSync(lock=...)``): held while weights move."""
         self.sync: EngineWeightSync | None = None
         """Set once the weight-sync group exists (the engines start before it)."""
         self.done = 0
@@ -70,12 +73,17 @@ class EngineReplacement:
         death = describe_death(error, self.launcher.names)
         print(f"{death}; starting it again (engine restart {self.done} of {self.limit})", file=sys.stderr)
         handles, started = self.launcher.launch([index])
-        get_all(started, timeout_s=self.timeout_s)
+        try:
+            get_all(started, timeout_s=self.timeout_s)
+        except BaseException:  # (its start-up failed or timed out): it gives its bundle back
+            stop_engine(handles[0], started=started[0])
+            raise
         return handles[0]
 
-    def load_weights(self) -> None:
-        assert self.sync is not None, "an engine was replaced before the weight-sync group existed"
-        self.sync.rejoin()
+    def load_weights(self, engines: Sequence[Any]) -> None:
+        if self.sync is None:  # (a death while the run starts: before there is a group to join)
+            raise RuntimeError("a rollout engine died before the weight-sync group was formed")
+        self.sync.rejoin(engines)
 
 
 def stop_engine(handle: Any, *, started: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -70,6 +71,9 @@ class LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.spec, self.timeout_s = spec, timeout_s
+        self.submitting = threading.Lock()
+        """Held while a call is submitted to every rank: calls from two threads (the trainer's, an engine's
+        replacement) reach every rank in the same order, so their collectives do too."""
         cls = ray.remote(LearnerWorker)
         self.workers = [
             cls.options(
@@ -107,7 +111,9 @@ class LearnerGroup:
 
     def _all(self, call: Callable[[Any], Any]) -> list[Any]:
         """``call(worker)`` on every rank at once; every rank's result, in rank order."""
-        return self._get([call(w) for w in self.workers])
+        with self.submitting:
+            refs = [call(w) for w in self.workers]
+        return self._get(refs)
 
     @property
     def block(self) -> int:
@@ -222,13 +228,15 @@ class LearnerGroup:
         items = list(zip(sequences, masks, strict=True)) if masks else [(x, None) for x in sequences]
         shards = self.shards(items)
         longest = max(len(s) for s in shards)
-        refs = []
-        for w, shard in zip(self.workers, shards, strict=True):
+        args = []
+        for shard in shards:
             padded = shard + [items[0]] * (longest - len(shard))  # pairs stay together
             a: dict[str, Any] = {"sequences": [x for x, _ in padded]}
             if masks:
                 a["masks"] = [m for _, m in padded]
-            refs.append(call(w, a))
+            args.append(a)
+        with self.submitting:
+            refs = [call(w, a) for w, a in zip(self.workers, args, strict=True)]
         return PendingScores(
             parts=refs[:: self.block],
             lengths=[len(s) for s in shards[:: self.block]],
@@ -238,7 +246,8 @@ class LearnerGroup:
 
     # --- updates: rank ``r`` gets ``per_rank[r]``; every rank reports the same global result ---------
     def _step(self, per_rank: Sequence[list[Any]], call: Call) -> StepResult:
-        refs = [call(w, {"micro_batches": mbs}) for w, mbs in zip(self.workers, per_rank, strict=True)]
+        with self.submitting:
+            refs = [call(w, {"micro_batches": mbs}) for w, mbs in zip(self.workers, per_rank, strict=True)]
         return self._get(refs)[0]
 
     def train_policy(
@@ -254,10 +263,11 @@ class LearnerGroup:
         if reference is None:
             return self._step(per_rank, lambda w, a: w.train_policy.remote(**a, settings=settings))
         pending, late = reference
-        refs = [
-            w.train_policy.remote(micro_batches=mbs, settings=settings, late_reference=lr)
-            for w, mbs, lr in zip(self.workers, per_rank, late, strict=True)
-        ]
+        with self.submitting:
+            refs = [
+                w.train_policy.remote(micro_batches=mbs, settings=settings, late_reference=lr)
+                for w, mbs, lr in zip(self.workers, per_rank, late, strict=True)
+            ]
         try:
             return self._get(refs)[0]
         except Exception as err:
@@ -295,11 +305,13 @@ class LearnerGroup:
         kw = dict(
             master_addr=master_addr, master_port=master_port, world_size=world_size, timeout_s=timeout_s
         )
-        return [w.open_weight_sync.remote(transport=transport, **kw) for w in self.workers]
+        with self.submitting:
+            return [w.open_weight_sync.remote(transport=transport, **kw) for w in self.workers]
 
     def start_send_weights(self, *, version: int) -> list[Any]:
         """Refs of every rank's ``send_weights``; rank 0's resolves to the sender's ``SyncStats``."""
-        return [w.send_weights.remote(version=version) for w in self.workers]
+        with self.submitting:
+            return [w.send_weights.remote(version=version) for w in self.workers]
 
     def close_weight_sync(self) -> None:
         self._all(lambda w: w.close_weight_sync.remote())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,22 +29,35 @@ class SyncReport:
 
 class EngineWeightSync:
     """The actor group's rank 0 sends; every engine worker receives and resets its prefix cache. ``lock``
-    is held while weights move (a caller that pauses the engines around a push holds it around both)."""
+    (re-entrant; given, or made here) is held while weights move; a caller that pauses the engines around
+    a push holds it around both, and so does an engine's replacement."""
 
-    def __init__(self, actor: LearnerGroup, engines: Any, *, transport: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        actor: LearnerGroup,
+        engines: Any,
+        *,
+        transport: str,
+        timeout_s: float,
+        lock: contextlib.AbstractContextManager | None = None,
+    ) -> None:
         self.actor, self.engines, self.transport, self.timeout_s = actor, engines, transport, timeout_s
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else threading.RLock()
         self.version = 0
-        self._join()
+        self._join(engines.engines)
 
-    def _join(self) -> None:
-        """Form the sync group: rank 0 hosts it on a free port, every engine worker joins."""
+    def _join(self, engines: Sequence[Any]) -> None:
+        """Form the sync group: rank 0 hosts it on a free port, every worker of ``engines`` joins."""
         import ray
 
         addr, port = ray.get(self.actor.workers[0].node_address.remote(), timeout=self.timeout_s)
-        world = 1 + len(self.engines.engines) * self.engines.tensor_parallel_size
+        world = 1 + len(engines) * self.engines.tensor_parallel_size
         joining = self.engines.init_weight_sync(
-            transport=self.transport, master_addr=addr, master_port=port, timeout_s=self.timeout_s
+            transport=self.transport,
+            master_addr=addr,
+            master_port=port,
+            timeout_s=self.timeout_s,
+            engines=engines,
         )
         hosting = self.actor.start_weight_sync(
             transport=self.transport,
@@ -62,23 +76,24 @@ class EngineWeightSync:
         """Send the actor's current weights as ``version`` and wait until every engine loaded them."""
         with self.lock:
             t0 = time.perf_counter()
-            sent = self._send(version)
+            sent = self._send(version, self.engines.engines)
             self.version = version
             seconds, faults = time.perf_counter() - t0, self.engines.faults.metrics()
             return SyncReport(version=version, seconds=seconds, num_bytes=sent.num_bytes, faults=faults)
 
-    def _send(self, version: int) -> Any:
-        receiving = self.engines.receive_weights(timeout_s=self.timeout_s)
+    def _send(self, version: int, engines: Sequence[Any]) -> Any:
+        receiving = self.engines.receive_weights(timeout_s=self.timeout_s, engines=engines)
         sending = self.actor.start_send_weights(version=version)
         return get_all(sending + receiving, timeout_s=self.timeout_s)[0]  # rank 0's SyncStats
 
-    def rejoin(self) -> None:
-        """After an engine was replaced: the group formed again around the engines as they now are, and
-        the actor's current weights sent to all, labelled as the last version pushed."""
+    def rejoin(self, engines: Sequence[Any]) -> None:
+        """After an engine was replaced: the group formed again around ``engines`` (the client's, the new
+        one in), and the actor's current weights sent to all, labelled as the last version pushed (in an
+        asynchronous run the actor may be one update further: its next push labels that one)."""
         with self.lock:
             self.close_quietly()
-            self._join()
-            self._send(self.version)
+            self._join(engines)
+            self._send(self.version, engines)
 
     def close(self) -> None:
         import ray
@@ -87,11 +102,11 @@ class EngineWeightSync:
         self.actor.close_weight_sync()
 
     def close_quietly(self) -> None:
-        """Leave the group on every side that still answers (a dead engine cannot say goodbye)."""
+        """Leave the group on every side that still answers (a dead engine cannot say goodbye), waiting
+        at most ``timeout_s`` for all the engines together."""
         import ray
 
-        for e in self.engines.engines:
-            with contextlib.suppress(Exception):
-                ray.get(e.close_weight_sync.remote(), timeout=self.timeout_s)
+        refs = [e.close_weight_sync.remote() for e in self.engines.engines]
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
         with contextlib.suppress(Exception):
             self.actor.close_weight_sync()

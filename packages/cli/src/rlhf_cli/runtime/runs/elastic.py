@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TypeVar
 
+from pydantic import ValidationError
 from rlhf_learner.strategy import training_backend
 
 from rlhf_cli.config import ConfigError, OfflineConfig, PPOConfig
@@ -38,7 +39,7 @@ def shrink_to(cfg: C, nodes: int) -> tuple[C, list[str]]:
         group = getattr(cfg, name, None)
         if group is None or group.num_nodes <= nodes:
             continue
-        smaller = group.model_copy(update={"num_nodes": nodes})
+        smaller = group.model_copy(update={"num_nodes": nodes})  # (validated with the whole, below)
         update[name] = smaller
         dp = (
             data_parallel_size(group.world_size, cfg.learner),
@@ -48,7 +49,14 @@ def shrink_to(cfg: C, nodes: int) -> tuple[C, list[str]]:
             f"--{name}.num_nodes {group.num_nodes} -> {nodes} ({group.world_size} -> {smaller.world_size} ranks, "
             f"data-parallel {dp[0]} -> {dp[1]})"
         )
-    return (cfg.model_copy(update=update), changes) if update else (cfg, [])
+    if not update:
+        return cfg, []
+    data = cfg.model_dump(by_alias=True) | {k: v.model_dump(by_alias=True) for k, v in update.items()}
+    try:  # validated again: the batch must still split over the smaller groups
+        return type(cfg).model_validate(data), changes
+    except ValidationError as err:
+        why = err.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"--train.elastic: the run does not fit {nodes} node(s): {why}") from None
 
 
 def fit_to_cluster(cfg: C) -> C:
