@@ -227,7 +227,7 @@ def start_components(
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             timeout_s=cfg.ray.timeout_s,
             replacer=replacement,
-            max_replacements=cfg.train.max_restarts,
+            max_replacements=0 if cfg.colocates_engines else cfg.train.max_restarts,  # (shared devices)
         )
     for g in groups.values():
         g.wait_setup()
