@@ -332,8 +332,17 @@ def tiny_model(
     architecture: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
     layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
+    vlm: Annotated[
+        bool, typer.Option(help="A tiny vision-language model (Qwen2-VL) with its processor.")
+    ] = False,
 ) -> None:
-    """Build a tiny random causal LM + tokenizer offline (for demos and smoke runs)."""
+    """Build a tiny random causal LM + tokenizer offline (for demos and smoke runs), or with --vlm a tiny
+    Qwen2-VL with its tokenizer and image processor."""
+    if vlm:
+        from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+
+        typer.echo(f"wrote {build_tiny_vlm(out)}")
+        return
     from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(

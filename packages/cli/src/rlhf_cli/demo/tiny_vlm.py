@@ -1,0 +1,96 @@
+"""Build a tiny vision-language model (Qwen2-VL) with its tokenizer and processor offline, saved as a
+Hugging Face folder that transformers (``AutoProcessor``, ``Qwen2VLForConditionalGeneration``) and vLLM
+(CPU or GPU) load. Nothing is downloaded: the weights are random (seeded), the tokenizer is the tiny text
+model's byte-level BPE with Qwen2-VL's vision tokens added, and the image processor keeps images small
+(56x56 to 112x112 pixels: 4 to 16 image tokens each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf_cli.demo.tiny_model import build_tokenizer
+
+__all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm"]
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2-VL's vision tokens, as its config names them: start, end, image and video placeholders."""
+
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML whose message content is a string, or a list of ``{"type": "image"}`` and
+``{"type": "text", "text": ...}`` parts (an image becomes one placeholder the processor expands)."""
+
+
+def _config(tokenizer, *, vocab_size: int):
+    from transformers import Qwen2VLConfig
+
+    ids = dict(
+        zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)),
+            strict=True,
+        )
+    )
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        # M-RoPE: the head's 32 rotary frequencies split over time, height and width
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        tie_word_embeddings=True,
+        **special,
+    )
+    vision = dict(
+        depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+    )
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids, **special)
+
+
+def build_tiny_vlm(path: str | Path, *, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Write a tiny random Qwen2-VL (about 0.6M parameters), its tokenizer and processor to ``path`` and
+    return it. The same ``seed`` always gives the same folder."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size=vocab_size - 16, seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eos|>", "<|im_start|>", *VISION_TOKENS]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(_config(tokenizer, vocab_size=vocab_size)).to(torch.float32)
+    with torch.no_grad():  # larger than the default init, so that sampled text and log-probs vary
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
+        video_processor=Qwen2VLVideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=VLM_CHAT_TEMPLATE,
+    )
+    from rlhf_learner.strategy.export import quiet_progress_bars
+
+    with quiet_progress_bars():
+        model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path
