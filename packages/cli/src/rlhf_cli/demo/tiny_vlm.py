@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_cli.demo.tiny_model import build_tokenizer
+from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tokenizer
 
 __all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm"]
 
@@ -43,19 +43,18 @@ def _config(tokenizer, *, vocab_size: int):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        # M-RoPE: the head's 32 rotary frequencies split over time, height and width
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
-        tie_word_embeddings=True,
-        **special,
+    lm = TinyModelSpec()  # the language model: the tiny text model's shape
+    shape = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
     )
+    text = {k: getattr(lm, k) for k in (*shape, "max_position_embeddings", "tie_word_embeddings")}
+    # M-RoPE: the head's 32 rotary frequencies split over time, height and width
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}
+    text |= dict(vocab_size=vocab_size, **special)
     vision = dict(
         depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
     )
