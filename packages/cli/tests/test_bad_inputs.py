@@ -270,7 +270,7 @@ def test_an_input_template_formats_text_prompts_and_refuses_a_conversation(tmp_p
         str(data),
     ]
     cfg = build_config(PPOConfig, [*flags, "--data.input_template", "Q: {} =\nA:"])
-    train, evals = load_prompts(cfg, tok)
+    train, evals = load_prompts(cfg, tok, demo_model_dir)
     want = sorted(tok(f"Q: add {a} {b} =\nA:")["input_ids"] for a, b in ((1, 2), (4, 5)))
     assert sorted(train.token_ids) == want and sorted(evals.token_ids) == want
     write_lines(
@@ -279,7 +279,7 @@ def test_an_input_template_formats_text_prompts_and_refuses_a_conversation(tmp_p
     with pytest.raises(
         ValueError, match=r"p\.jsonl: prompt 1 is a conversation; --data.input_template formats"
     ):
-        load_prompts(cfg, tok)
+        load_prompts(cfg, tok, demo_model_dir)
 
 
 # === 2. Flags and configuration files ===============================================================

@@ -30,6 +30,7 @@ from rlhf_rollout.executors import (
     trajectories_from_records,
 )
 from rlhf_rollout.hf_engine import TransformersEngine, process_logits
+from rlhf_rollout.images import ImagePrompt, prompt_images
 from rlhf_rollout.openai_server import CallRecord, OpenAIServer
 from rlhf_rollout.ray_engines import (
     EngineActor,
@@ -58,6 +59,7 @@ __all__ = [
     "EngineReplacer",
     "FinishReason",
     "Generation",
+    "ImagePrompt",
     "MultiTurnExecutor",
     "OpenAIAgentExecutor",
     "OpenAIServer",
@@ -89,6 +91,7 @@ __all__ = [
     "oldest_version",
     "pin_to_cores",
     "process_logits",
+    "prompt_images",
     "reworded",
     "trajectories_from_records",
 ]

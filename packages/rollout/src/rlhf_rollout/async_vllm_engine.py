@@ -22,6 +22,7 @@ from rlhf_rollout.vllm_engine import (
     VLLMOptions,
     merge_worker_reports,
     to_generation,
+    tokens_prompt,
     vllm_sampling_params,
 )
 
@@ -76,8 +77,6 @@ class AsyncVLLMEngine(VLLMOptions):
             yield [_partial(latest[i]) for i in sorted(latest)]
 
     async def _requests(self, prompt: Sequence[int], params: SamplingParams, index: int, *, final_only: bool):
-        from vllm.inputs import TokensPrompt
-
         check_prompts([prompt], max_model_len=self._max_model_len, vocab_size=self._vocab_size)
         if params.seed is not None and not params.seed_per_sample and not self._v2_runner:
             raise ValueError(
@@ -86,7 +85,7 @@ class AsyncVLLMEngine(VLLMOptions):
             )  # (vLLM's V2 model runner seeds each sample at no cost: it does so)
         if not self._labelled:
             await self._label(0)
-        request = TokensPrompt(prompt_token_ids=list(prompt))
+        request = tokens_prompt(prompt)
         sampling = vllm_sampling_params(params, index, final_only=final_only)
         async for out in self._llm.generate(request, sampling, request_id=f"rlhf-{next(self._ids)}"):
             yield out
@@ -155,12 +154,14 @@ class AsyncVLLMEngine(VLLMOptions):
         return int(label) if label is not None and str(label).lstrip("-").isdigit() else None
 
     async def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix. vLLM refuses while requests run (their blocks are in use): then the
+        """Drop every cached prefix (and image embedding). vLLM refuses while requests run (their blocks are in use): then the
         running requests are reset too (their caches are recomputed when they are next scheduled)."""
         if not await self._llm.reset_prefix_cache() and not await self._llm.reset_prefix_cache(
             reset_running_requests=True
         ):
             raise RuntimeError("vLLM refused to reset its prefix cache, even resetting running requests")
+        if self._multimodal:  # image embeddings of the old weights (the running requests' are recomputed)
+            await self._llm.reset_encoder_cache()
 
     async def sleep(self, *, level: int = 1) -> None:
         if not self.capabilities.sleep:

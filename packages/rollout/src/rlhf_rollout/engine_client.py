@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_rollout.engine import EngineCapabilities, WeightSyncReport
 from rlhf_rollout.engine_faults import EngineFaults, EngineReplacer, engine_death
+from rlhf_rollout.images import ImagePrompt
 from rlhf_rollout.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class EngineClient:
             lo, hi = bounds[e], bounds[e + 1]
             if lo < hi:
                 seeded = params if params.seed is None else replace(params, seed=params.seed + lo * params.n)
-                rows = [list(p) for p in prompts[lo:hi]]
+                rows = [p if isinstance(p, ImagePrompt) else list(p) for p in prompts[lo:hi]]
                 out.append(Shard(engine=(first + e) % k, prompts=rows, params=seeded))
         return out
 

@@ -14,6 +14,7 @@ from rlhf_rollout.engine import (
     WeightSyncReport,
     check_prompts,
 )
+from rlhf_rollout.images import ImagePrompt, prompt_images
 from rlhf_rollout.types import Generation, SamplingParams
 
 __all__ = ["TransformersEngine", "process_logits"]
@@ -85,14 +86,22 @@ class TransformersEngine:
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
         worker_extension_cls: str | None = None,
+        image_processor: Any = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        self.image_processor = image_processor
         if isinstance(model, torch.nn.Module):
             self.model = model
         else:
             dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dt)
+            vision = getattr(AutoConfig.from_pretrained(str(model)), "vision_config", None) is not None
+            cls = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            self.model = cls.from_pretrained(str(model), dtype=dt)
+            if vision and image_processor is None:
+                from transformers import AutoImageProcessor
+
+                self.image_processor = AutoImageProcessor.from_pretrained(str(model))
         if device is not None:
             self.model.to(device)
         self.model.eval()
@@ -107,7 +116,8 @@ class TransformersEngine:
         if pad is None:
             pad = config.pad_token_id if config.pad_token_id is not None else (self.eos_token_ids or (0,))[0]
         self.pad_token_id = int(pad)
-        limit = max_model_len or getattr(config, "max_position_embeddings", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = max_model_len or getattr(text, "max_position_embeddings", None)
         if limit is None:
             raise ValueError("max_model_len: the model config has no max_position_embeddings; pass it")
         self._max_model_len = int(limit)
@@ -176,6 +186,7 @@ class TransformersEngine:
             attention_mask=mask.to(self.device),
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder]),
+            **{k: v.to(self.device) for k, v in self._image_inputs(prompts, ids).items()},
         )
         new = out[:, longest:].cpu()
         recorder.take(out[:, longest + len(recorder.logprobs)].to(recorder.pending.device))
@@ -194,6 +205,27 @@ class TransformersEngine:
                 lp = [math.nan] * end
             gens.append(Generation(token_ids=row[:end], logprobs=lp, finish_reason=reason))
         return gens
+
+    def _image_inputs(self, prompts: list[Sequence[int]], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The images of left-padded rows (``ids``): pixels in row order, and each row's image tokens
+        (those of its :class:`ImagePrompt`'s images) as ``mm_token_type_ids``."""
+        pictured = [p for p in prompts if prompt_images(p)]
+        if not pictured:
+            return {}
+        if self.image_processor is None:
+            raise ValueError("a prompt has images, but this engine's model is text-only (no image processor)")
+        out = self.image_processor(
+            images=[i for p in pictured for i in prompt_images(p)], return_tensors="pt"
+        )
+        kinds = torch.zeros_like(ids, dtype=torch.int32)
+        for r, p in enumerate(prompts):
+            if isinstance(p, ImagePrompt):
+                kinds[r, ids.shape[1] - len(p) :] = torch.tensor(p.image_mask(), dtype=torch.int32)
+        return {
+            "pixel_values": out["pixel_values"],
+            "image_grid_thw": out["image_grid_thw"],
+            "mm_token_type_ids": kinds,
+        }
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(name, tensor)`` pairs into the model's parameters/buffers; returns the count.

@@ -59,8 +59,14 @@ class RemoteReward:
         self.headers = dict(headers or {})
 
     async def ascore(
-        self, *, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]
+        self,
+        *,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> RewardResult:
+        """Posts the texts; images are not sent (a server that needs them takes them from the labels)."""
         n, k = len(queries), len(self.urls)
         if not (len(prompts) == n and len(labels) == n):
             raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")

@@ -41,8 +41,15 @@ class RewardSource(Protocol):
     """Anything that scores decoded samples: :class:`RewardFunction`, ``RemoteReward``."""
 
     async def ascore(
-        self, *, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]
-    ) -> RewardResult: ...
+        self,
+        *,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> RewardResult:
+        """``images``: each sample's prompt images (PIL), when the prompts have images."""
+        ...
 
 
 def _as_floats(value: Any, *, what: str, source: str, n: int) -> list[float]:
@@ -132,6 +139,17 @@ def check_call(func: Callable[..., Any], name: str, call: str, n_args: int, kwar
         ) from None
 
 
+def accepts_keyword(func: Callable[..., Any], name: str) -> bool:
+    """Whether ``func`` takes the keyword argument ``name`` (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in params
+    )
+
+
 class RewardFunction:
     """``reward_func(queries, prompts, labels, **kwargs)`` (sync or async) as a reward source.
 
@@ -156,6 +174,8 @@ class RewardFunction:
         self.kwargs = dict(kwargs or {})
         self.timeout_s = timeout_s
         check_call(func, self.name, "reward_func(queries, prompts, labels)", 3, self.kwargs)
+        self.takes_images = accepts_keyword(func, "images")
+        """Image prompts' samples pass ``images=`` (each sample's prompt images) when the function takes it."""
 
     @classmethod
     def from_file(
@@ -166,23 +186,30 @@ class RewardFunction:
         )
 
     async def ascore(
-        self, *, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]
+        self,
+        *,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[Any],
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> RewardResult:
+        extra = {"images": [list(i) for i in images]} if images is not None and self.takes_images else {}
         out = await named_call(
-            self._call(list(queries), list(prompts), list(labels)),
+            self._call(list(queries), list(prompts), list(labels), **extra),
             timeout_s=self.timeout_s,
             timed_out=f"{self.name} did not return within {self.timeout_s} s ({len(queries)} samples)",
             failed=f"{self.name} raised",
         )
         return normalize_reward_output(out, n=len(queries), source=self.name)
 
-    async def _call(self, *args: Any) -> Any:
+    async def _call(self, *args: Any, **extra: Any) -> Any:
+        kwargs = self.kwargs | extra
         if inspect.iscoroutinefunction(self.func):
-            return await self.func(*args, **self.kwargs)
+            return await self.func(*args, **kwargs)
         if self.timeout_s is None:
-            return await asyncio.to_thread(self.func, *args, **self.kwargs)
+            return await asyncio.to_thread(self.func, *args, **kwargs)
         # not the loop's executor: asyncio.run would wait at exit for a call abandoned by the timeout
-        return await _in_daemon_thread(self.func, *args, **self.kwargs)
+        return await _in_daemon_thread(self.func, *args, **kwargs)
 
 
 async def _in_daemon_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -14,9 +14,29 @@ from rlhf_rollout.engine import (
     WeightSyncReport,
     check_prompts,
 )
+from rlhf_rollout.images import ImagePrompt
 from rlhf_rollout.types import Generation, SamplingParams, VersionSpan
 
-__all__ = ["VLLMEngine", "VLLMOptions", "merge_worker_reports", "to_generation", "vllm_sampling_params"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMOptions",
+    "merge_worker_reports",
+    "to_generation",
+    "tokens_prompt",
+    "vllm_sampling_params",
+]
+
+
+def tokens_prompt(prompt: Sequence[int]) -> Any:
+    """vLLM's request for a prompt: its ids, or for an :class:`ImagePrompt` one placeholder per image and
+    the images as ``multi_modal_data`` (vLLM's processor expands each placeholder to the image's tokens)."""
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, ImagePrompt) and prompt.images:
+        return TokensPrompt(
+            prompt_token_ids=prompt.engine_ids(), multi_modal_data={"image": list(prompt.images)}
+        )
+    return TokensPrompt(prompt_token_ids=list(prompt))
 
 
 class VLLMOptions:
@@ -67,6 +87,7 @@ class VLLMOptions:
         kwargs.update(engine_kwargs or {})
         config = self._start(kwargs)
         self._max_model_len = int(config.max_model_len)
+        self._multimodal = bool(getattr(config, "is_multimodal_model", False))
         self._vocab_size = int(config.get_vocab_size())
         self._sleep_enabled = enable_sleep_mode
         self._extension = worker_extension_cls
@@ -128,8 +149,6 @@ class VLLMEngine(VLLMOptions):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         check_prompts(prompts, max_model_len=self._max_model_len, vocab_size=self._vocab_size)
-        from vllm.inputs import TokensPrompt
-
         # vLLM's V2 model runner draws seeded requests' noise in one kernel: they stay seeded per sample.
         per_call = params.seed is not None and not params.seed_per_sample and not self._v2_runner
         if per_call and not self._worker_here:
@@ -138,7 +157,7 @@ class VLLMEngine(VLLMOptions):
                 "cannot be seeded for the call (set VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
             )
         sampling = [vllm_sampling_params(params, i, seeded=not per_call) for i in range(len(prompts))]
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        requests = [tokens_prompt(p) for p in prompts]
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()), enabled=per_call):
             if per_call:  # V1's sampler draws from this process's default generators: the caller's stay
                 torch.manual_seed(params.seed)
@@ -214,10 +233,13 @@ class VLLMEngine(VLLMOptions):
         self._llm.wake_up(tags=tags)
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix (stale after a weight update). Raises if vLLM refuses (it does while
-        requests run; none run between calls of this blocking engine)."""
+        """Drop every cached prefix, and a vision-language model's cached image embeddings (stale after a
+        weight update). Raises if vLLM refuses (it does while requests run; none run between calls of this
+        blocking engine)."""
         if self._llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+        if self._multimodal:  # image embeddings of the old weights; the scheduler's record of them too
+            self._llm.llm_engine.reset_encoder_cache()
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None

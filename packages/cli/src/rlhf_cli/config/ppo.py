@@ -12,7 +12,7 @@ from rlhf_learner import StrategyOptions
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.algo import AlgoConfig
 from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig, TeacherConfig
-from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, model_positions
+from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, VLM_DEMO_DEFAULTS, fill_unset, model_positions
 from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
 from rlhf_cli.config.run import (
     CkptConfig,
@@ -211,8 +211,10 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _real_model_defaults(self) -> PPOConfig:
-        """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS``."""
+        """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS`` (the image
+        demo, ``--train.demo_model vlm``, its ``VLM_DEMO_DEFAULTS``)."""
         if self.actor.pretrain is None:
+            fill_unset(self, VLM_DEMO_DEFAULTS if self.train.demo_model == "vlm" else {})
             return self
         positions = model_positions(self.actor.pretrain)
         for path, value in REAL_MODEL_DEFAULTS.items():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-__all__ = ["REAL_MODEL_DEFAULTS", "model_positions"]
+__all__ = ["REAL_MODEL_DEFAULTS", "VLM_DEMO_DEFAULTS", "fill_unset", "model_positions"]
 
 REAL_MODEL_DEFAULTS = {
     "actor.lr": 1e-6,
@@ -16,6 +17,20 @@ REAL_MODEL_DEFAULTS = {
 """What an unset setting takes once --actor.pretrain names a model (OpenRLHF's defaults); the defaults
 ``--help`` shows fit the built-in demo's tiny model. The sequence length is held to the model's positions,
 and the new tokens to half of it."""
+
+
+VLM_DEMO_DEFAULTS = {"actor.lr": 1e-3, "train.num_steps": 100}
+"""The image demo's own defaults (``--train.demo_model vlm``): its tiny vision-language model learns the image
+task more slowly, and collapses onto one answer at the text demo's learning rate."""
+
+
+def fill_unset(cfg: Any, defaults: dict[str, Any]) -> None:
+    """Set each ``section.key`` of ``defaults`` on ``cfg`` that the user left unset."""
+    for path, value in defaults.items():
+        name, key = path.split(".")
+        section = getattr(cfg, name)
+        if key not in section.model_fields_set:
+            setattr(cfg, name, section.model_copy(update={key: value}))
 
 
 def model_positions(folder: str) -> int | None:

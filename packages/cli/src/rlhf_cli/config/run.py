@@ -153,9 +153,10 @@ class TrainConfig(Section):
     """run_agent agents: seconds one episode (all its model calls) may take."""
     warmup_sft_steps: int = Field(40, ge=0)
     """Built-in demo only (no model, data or reward given): supervised steps on the answer format before RL."""
-    demo_model: Literal["small", "large"] = "small"
+    demo_model: Literal["small", "large", "vlm"] = "small"
     """Built-in demo only: its tiny model, small (2 layers of 128) or large (3 layers of 192: the teacher
-    the distillation demo trains first)."""
+    the distillation demo trains first), or vlm: a tiny Qwen2-VL on the image task (a coloured shape, asked
+    its colour or its shape)."""
     pin_cores: bool | None = None
     """CPU only: bind the engines to the first half of each node's cores and the learner ranks to the
     rest (their work then cannot steal each other's cores; an asynchronous run's reference ranks to none:
@@ -196,6 +197,10 @@ class DataConfig(Section):
     """Field holding the prompt text (or a chat message list)."""
     label_key: str | None = "label"
     """Field holding the label the reward sees (None: no label)."""
+    image_key: str = "images"
+    """Field holding a row's images (vision-language models): one or a list of paths relative to the data
+    file, base64 data URIs, or a datasets Image feature; each fills a '<image>' in the text, or a
+    {"type": "image"} part of a message. Rows without it are text."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template."""
     input_template: str | None = None

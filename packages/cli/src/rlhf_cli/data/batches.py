@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from rlhf_cli.data.images import ImageInputs, ImageSequence
 from rlhf_learner import (
     DistillBatch,
     DPOBatch,
@@ -69,10 +70,17 @@ class Sample:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    images: ImageInputs | None = None
+    """The pixels of the images whose tokens ``token_ids`` holds (vision-language models)."""
 
     @property
     def length(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def scored(self) -> torch.Tensor | ImageSequence:
+        """What a group's forward scores: the token ids, with the images when there are some."""
+        return self.token_ids if self.images is None else ImageSequence(self.token_ids, self.images)
 
     @property
     def response_length(self) -> int:
@@ -92,10 +100,20 @@ class Rows:
         return [value[r, s : s + n] for r, s, n in self.placement]
 
 
-def to_rows(sequences: Sequence[dict[str, torch.Tensor]], *, packing: bool) -> Rows:
+def to_rows(
+    sequences: Sequence[dict[str, torch.Tensor]],
+    *,
+    packing: bool,
+    images: Sequence[ImageInputs | None] = (),
+) -> Rows:
     """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: one packed
     row (``position_ids`` restart per sequence, no padding between them; the learner lays it out for its
-    attention kernel) or right-padded rows."""
+    attention kernel) or right-padded rows. ``images``: each sequence's image pixels (or None); rows with
+    images are right-padded, one sequence each (the model derives M-RoPE positions per row)."""
+    if any(i is not None for i in images):
+        rows = to_rows(sequences, packing=False)
+        width = rows.tensors["input_ids"].shape[1]
+        return Rows(tensors=rows.tensors | ImageInputs.joined(images, width), placement=rows.placement)
     if packing:
         total = sum(int(s["input_ids"].shape[0]) for s in sequences)
         packed = pack_sequences(sequences, max_tokens_per_row=total)
@@ -125,6 +143,7 @@ def _sample_rows(
 
 
 def _sample_layout(samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str) -> Rows:
+    images = [s.images for s in samples]
     seqs = []
     for s in samples:
         d = {"input_ids": s.token_ids}
@@ -134,7 +153,7 @@ def _sample_layout(samples: Sequence[Sample], per_token: dict[str, str], *, pack
                 raise ValueError(f"{what}: sample has no {attr}")
             d[out_name] = value
         seqs.append(d)
-    return to_rows(seqs, packing=packing)
+    return to_rows(seqs, packing=packing, images=images)
 
 
 def policy_batch(

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.data.images import IMAGE_PLACEHOLDER, ImageEncoder, count_placeholders, row_images
+
 __all__ = [
     "PromptCursor",
     "PromptRecord",
@@ -26,6 +28,8 @@ class PromptRecord:
     prompt: str | list[dict]
     """Text, or chat messages (``[{"role": ..., "content": ...}]``)."""
     label: Any = None
+    images: tuple[Any, ...] = ()
+    """Its images (RGB PIL images), one per placeholder (``<image>`` in text, ``{"type": "image"}`` parts)."""
 
 
 def load_records(
@@ -35,11 +39,15 @@ def load_records(
     label_key: str | None,
     max_samples: int | None = None,
     flag: str = "--data.path",
+    image_key: str | None = None,
+    model_takes_images: bool = False,
 ) -> list[PromptRecord]:
-    """Records from ``path`` (``.jsonl`` file or ``datasets.save_to_disk`` folder). Errors name the file
-    and line (JSONL) or row (datasets) and the missing key."""
+    """Records from ``path`` (``.jsonl`` file or ``datasets.save_to_disk`` folder), with the images under
+    ``image_key`` when a row has them. Errors name the file and line (JSONL) or row (datasets) and the
+    missing key, image or placeholder."""
     path = Path(path)
     where, rows = read_rows(path, flag=flag)
+    base = path if path.is_dir() else path.parent
     out: list[PromptRecord] = []
     for number, row in rows:
         if input_key not in row:
@@ -55,12 +63,35 @@ def load_records(
             raise ValueError(
                 f"{path}, {where} {number}: {input_key!r} must be non-empty text or a message list"
             )
-        out.append(PromptRecord(prompt=prompt, label=row[label_key] if label_key is not None else None))
+        at = f"{path}, {where} {number}"
+        images = prompt_row_images(
+            row, image_key, prompt, base=base, where=at, model_takes_images=model_takes_images
+        )
+        label = row[label_key] if label_key is not None else None
+        out.append(PromptRecord(prompt=prompt, label=label, images=images))
         if max_samples is not None and len(out) >= max_samples:
             break
     if not out:
         raise ValueError(f"{flag}: {str(path)!r} holds no prompts")
     return out
+
+
+def prompt_row_images(
+    row: dict, key: str | None, prompt: str | list[dict], *, base: Path, where: str, model_takes_images: bool
+) -> tuple[Any, ...]:
+    """A row's images under ``key``, checked against its prompt's placeholders and the model."""
+    if key is None or row.get(key) in (None, []):
+        return ()
+    if not model_takes_images:
+        raise ValueError(f"{where}: has images under {key!r} (--data.image_key), but the model is text-only")
+    images = row_images(row, key, base=base, where=where)
+    places = count_placeholders(prompt)
+    if places != len(images):
+        raise ValueError(
+            f"{where}: {len(images)} image(s) under {key!r} but {places} placeholder(s) in the prompt "
+            f'(\'{IMAGE_PLACEHOLDER}\' in text, or {{"type": "image"}} message parts)'
+        )
+    return images
 
 
 def read_rows(path: Path, *, flag: str) -> tuple[str, Iterator[tuple[int, dict]]]:
@@ -135,6 +166,8 @@ class PromptSet:
     cursor: PromptCursor = field(default_factory=PromptCursor)
     skipped: list[int] = field(default_factory=list)
     """Positions (in the source) of the prompts left out for not fitting the context."""
+    encoder: ImageEncoder | None = None
+    """The processor that built the image prompts (:class:`ImagePrompt` ids) and makes their pixels."""
 
     @classmethod
     def from_records(
@@ -147,11 +180,20 @@ class PromptSet:
         max_prompt_len: int,
         source: str,
         strict: bool = False,
+        encoder: ImageEncoder | None = None,
     ) -> PromptSet:
-        """Tokenise ``records``. A prompt of ``max_prompt_len`` tokens or more leaves no room to generate:
-        it is left out and counted in ``skipped`` (``strict``: refused, naming it); an empty one, or a
-        source left with no prompt, is refused."""
-        ids = [encode_prompt(r.prompt, tokenizer, apply_chat_template=apply_chat_template) for r in records]
+        """Tokenise ``records`` (those with images by ``encoder``, the model's processor: their ids hold each
+        image's tokens). A prompt of ``max_prompt_len`` tokens or more leaves no room to generate: it is
+        left out and counted in ``skipped`` (``strict``: refused, naming it); an empty one, or a source left
+        with no prompt, is refused."""
+        if encoder is None and any(r.images for r in records):
+            raise ValueError(f"{source}: prompts with images need a vision-language model's processor")
+        ids = [
+            encoder.prompt(r.prompt, r.images)
+            if r.images and encoder is not None
+            else encode_prompt(r.prompt, tokenizer, apply_chat_template=apply_chat_template)
+            for r in records
+        ]
         kept, skipped = [], []
         for i, p in enumerate(ids):
             if not p:
@@ -175,6 +217,7 @@ class PromptSet:
             labels=[records[i].label for i in kept],
             seed=seed,
             skipped=skipped,
+            encoder=encoder,
         )
 
     def next_batch(self, size: int) -> tuple[list[list[int]], list[Any]]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rlhf_cli.data.prompts import PromptRecord
@@ -18,6 +20,7 @@ __all__ = [
     "TASK_NAME",
     "answer",
     "build_demo_model",
+    "builtin_task",
     "data_rows",
     "demo_num_params",
     "records",
@@ -114,24 +117,45 @@ def write_data(kind: str, path: Path, *, seed: int) -> Path:
 DEMO_MODELS = {
     "small": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256},
     "large": {"num_hidden_layers": 3, "hidden_size": 192, "intermediate_size": 384},
+    "vlm": {},  # the tiny Qwen2-VL: its language model has the tiny model's default shape
 }
 """The demo's tiny models (one tokenizer): the small one is the default, the large one the distillation
 demo's teacher (``--train.demo_model``)."""
 
 
 def build_demo_model(directory: Path, size: str = "small") -> Path:
-    """The tiny model of the demo (built offline; the same folder is reused when it exists)."""
+    """The tiny model of the demo (built offline; the same folder is reused when it exists); ``vlm``: the
+    tiny Qwen2-VL of the image task."""
     from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 
     if (directory / "config.json").is_file():
         return directory
+    if size == "vlm":
+        from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+
+        return build_tiny_vlm(directory)
     return build_tiny_model(directory, TinyModelSpec(**DEMO_MODELS[size]))
+
+
+def builtin_task(demo_model: str = "small") -> ModuleType:
+    """The built-in task of a demo model: this one (larger digit), or for ``vlm`` the image task
+    (:mod:`rlhf_cli.demo.shapes`). Both give ``TASK_NAME``, ``records``, ``warmup_records`` and
+    ``reward_func``."""
+    if demo_model == "vlm":
+        from rlhf_cli.demo import shapes
+
+        return shapes
+    return sys.modules[__name__]
 
 
 def demo_num_params(size: str = "small") -> int:
     """Parameters of a demo model, computed from its shape without building it."""
     from rlhf_cli.demo.tiny_model import TinyModelSpec
 
+    if size == "vlm":
+        from rlhf_cli.demo.tiny_vlm import tiny_vlm_num_params
+
+        return tiny_vlm_num_params()
     spec = TinyModelSpec(**DEMO_MODELS[size])
     h, i, layers, v = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers, spec.vocab_size
     kv = h // spec.num_attention_heads * spec.num_key_value_heads

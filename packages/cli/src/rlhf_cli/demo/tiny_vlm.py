@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tokenizer
 
-__all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm"]
+__all__ = ["VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm", "tiny_vlm_num_params"]
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Qwen2-VL's vision tokens, as its config names them: start, end, image and video placeholders."""
@@ -61,6 +61,23 @@ def _config(tokenizer, *, vocab_size: int):
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids, **special)
 
 
+def _tokenizer(seed: int, vocab_size: int):
+    tokenizer = build_tokenizer(vocab_size=vocab_size - 16, seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eos|>", "<|im_start|>", *VISION_TOKENS]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_vlm_num_params(*, vocab_size: int = 512) -> int:
+    """Parameters of :func:`build_tiny_vlm`'s model, counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(_config(_tokenizer(0, vocab_size), vocab_size=vocab_size))
+    return sum(p.numel() for p in model.parameters())
+
+
 def build_tiny_vlm(path: str | Path, *, seed: int = 0, vocab_size: int = 512) -> Path:
     """Write a tiny random Qwen2-VL (about 0.6M parameters), its tokenizer and processor to ``path`` and
     return it. The same ``seed`` always gives the same folder."""
@@ -70,9 +87,7 @@ def build_tiny_vlm(path: str | Path, *, seed: int = 0, vocab_size: int = 512) ->
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size=vocab_size - 16, seed=seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eos|>", "<|im_start|>", *VISION_TOKENS]})
-    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer = _tokenizer(seed, vocab_size)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(_config(tokenizer, vocab_size=vocab_size)).to(torch.float32)
     with torch.no_grad():  # larger than the default init, so that sampled text and log-probs vary

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 from rlhf_cli.data.batches import Sample, sft_batch
-from rlhf_cli.data.prompts import PromptSet, encode_prompt
+from rlhf_cli.data.images import ImageEncoder
+from rlhf_cli.data.prompts import PromptRecord, PromptSet, encode_prompt
 from rlhf_cli.demo import task
 from rlhf_cli.ppo.settings import EvalSettings, WarmupSettings
 from rlhf_cli.ppo.updates import micro_batches
@@ -60,16 +61,23 @@ def pass_metrics(
     return out
 
 
-def warmup(settings: WarmupSettings, actor: Any, tokenizer: Any) -> None:
-    """Built-in demo: a few supervised steps on the answer format before reinforcement learning."""
-    pairs = task.warmup_records(seed=settings.seed)
+def warmup(settings: WarmupSettings, actor: Any, tokenizer: Any, encoder: ImageEncoder | None = None) -> None:
+    """Built-in demo: a few supervised steps on the answer format before reinforcement learning (the image
+    task's prompts through ``encoder``, the model's processor)."""
+    pairs = task.builtin_task(settings.demo_model).warmup_records(seed=settings.seed)
     eos = tokenizer.eos_token_id
     samples = []
     for prompt, response in pairs:
-        p = encode_prompt(prompt, tokenizer, apply_chat_template=settings.apply_chat_template)
+        pictured = isinstance(prompt, PromptRecord) and prompt.images and encoder is not None
+        if pictured:
+            p = list(encoder.prompt(prompt.prompt, prompt.images))
+        else:
+            text = prompt.prompt if isinstance(prompt, PromptRecord) else prompt
+            p = encode_prompt(text, tokenizer, apply_chat_template=settings.apply_chat_template)
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
         ids = torch.tensor(p + r)
         mask = torch.tensor([False] * len(p) + [True] * len(r))
+        images = encoder.inputs(prompt.images, ids, mask) if pictured else None
         samples.append(
             Sample(
                 token_ids=ids,
@@ -80,6 +88,7 @@ def warmup(settings: WarmupSettings, actor: Any, tokenizer: Any) -> None:
                 truncated=False,
                 prompt_index=0,
                 weight_version=0,
+                images=images,
             )
         )
     per_step, b = settings.batch_size, settings.batching  # one optimizer step of the actor each

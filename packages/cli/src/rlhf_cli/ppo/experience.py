@@ -147,7 +147,7 @@ def _advantages(
 def score_reference(batching: Batching, samples: Sequence[Sample], ref: ScoringGroup) -> float:
     """Fill each sample's reference log-probs (they depend on the samples alone, so an asynchronous run
     computes them in the producer, beside generation); returns the seconds it took."""
-    ((logp, seconds),) = _scores([ref], [s.token_ids for s in samples], batching, concurrent=False)
+    ((logp, seconds),) = _scores([ref], [s.scored for s in samples], batching, concurrent=False)
     for s, lp in zip(samples, logp, strict=True):
         s.ref_logp = lp
     return seconds
@@ -200,7 +200,7 @@ def make_experience(
     different devices, so their forwards overlap. With ``settings.overlap_reference`` the reference forward
     is started first and not waited for (``Experience.pending_reference``). A ``teacher``'s log-probs add
     on-policy distillation's advantage (``_distilled``)."""
-    seqs = [s.token_ids for s in samples]
+    seqs = [s.scored for s in samples]
     scored = ref is not None and all(s.ref_logp is not None for s in samples)  # by the producer (async)
     pending = None
     b = settings.batching

@@ -2,39 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.images import ImageEncoder
 from rlhf_cli.data.prompts import PromptSet, load_records, with_template
 from rlhf_cli.demo import task
+from rlhf_learner.models import check_model_dir, is_vision_language
 
 __all__ = ["load_prompts", "skipped_notes"]
 
 
-def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[PromptSet, PromptSet | None]:
     """Training prompts and evaluation prompts (None when there are none to evaluate on). Prompts that do
-    not fit ``--rollout.max_model_len`` are skipped, counted and said (``--data.strict``: refused)."""
+    not fit ``--rollout.max_model_len`` are skipped, counted and said (``--data.strict``: refused). With a
+    vision-language model, rows may hold images (``--data.image_key``)."""
     limit = cfg.rollout.max_model_len
-    if cfg.data.path is None:
-        train = task.records(seed=cfg.train.seed)
-        evals = task.records(seed=cfg.train.seed + 1) if cfg.eval.path is None else None
-        source = f"built-in task {task.TASK_NAME}"
-    else:
-        train = load_records(
-            cfg.data.path,
-            input_key=cfg.data.input_key,
-            label_key=cfg.data.label_key,
-            max_samples=cfg.data.max_samples,
-        )
-        evals, source = None, str(cfg.data.path)
-    if cfg.eval.path is not None:
-        evals = load_records(
-            cfg.eval.path,
-            input_key=cfg.data.input_key,
-            label_key=cfg.data.label_key,
-            max_samples=cfg.eval.max_samples,
-            flag="--eval.path",
-        )
+    vision = is_vision_language(check_model_dir(model_dir, need_causal_lm=False, need_tokenizer=False))
+    encoder = ImageEncoder.for_model(model_dir) if vision else None
+    train, evals, source = _records(cfg, takes_images=vision)
+    if any(r.images for r in [*train, *(evals or [])]):
+        _check_image_run(cfg, source)
     template = cfg.data.input_template
     train = with_template(train, template, source=source)
     evals = with_template(evals, template, source="evaluation prompts") if evals else evals
@@ -48,6 +37,7 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
         max_prompt_len=limit,
         source=source,
         strict=strict,
+        encoder=encoder,
     )
     eval_set = None
     if evals:
@@ -60,10 +50,42 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet |
             max_prompt_len=limit,
             source="evaluation prompts",
             strict=strict,
+            encoder=encoder,
         )
     for line in skipped_notes(cfg, train_set, eval_set):
         print(line)
     return train_set, eval_set
+
+
+def _records(cfg: PPOConfig, *, takes_images: bool) -> tuple[list, list | None, str]:
+    """``(training records, evaluation records or None, the training source's name)``."""
+    keys = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, image_key=cfg.data.image_key)
+    keys |= dict(model_takes_images=takes_images)
+    if cfg.data.path is None:
+        demo = task.builtin_task(cfg.train.demo_model)
+        train = demo.records(seed=cfg.train.seed)
+        evals = demo.records(seed=cfg.train.seed + 1) if cfg.eval.path is None else None
+        source = f"built-in task {demo.TASK_NAME}"
+    else:
+        train = load_records(cfg.data.path, max_samples=cfg.data.max_samples, **keys)
+        evals, source = None, str(cfg.data.path)
+    if cfg.eval.path is not None:
+        evals = load_records(cfg.eval.path, max_samples=cfg.eval.max_samples, flag="--eval.path", **keys)
+    return train, evals, source
+
+
+def _check_image_run(cfg: PPOConfig, source: str) -> None:
+    """Refuse the groups that read text only, for prompts with images."""
+    if cfg.uses_critic:
+        raise ValueError(
+            f"{source}: prompts with images, but the critic (--algo.advantage.estimator "
+            f"{cfg.algo.advantage.estimator}) reads text only; use an estimator without a critic (e.g. group_norm)"
+        )
+    if cfg.reward.pretrain is not None:
+        raise ValueError(
+            f"{source}: prompts with images, but the reward model (--reward.pretrain) reads text only; "
+            "use --reward.func (it gets the images) or --reward.remote_url"
+        )
 
 
 def skipped_notes(cfg: PPOConfig, train: PromptSet, evals: PromptSet | None) -> list[str]:

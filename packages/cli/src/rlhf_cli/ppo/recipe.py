@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
+from rlhf_cli.data.images import ImageEncoder
 from rlhf_cli.data.prompts import PromptCursor, PromptSet
 from rlhf_cli.ppo.components import Components, start_components
 from rlhf_cli.ppo.evaluation import evaluate, warmup
@@ -66,8 +67,9 @@ def plan(cfg: PPOConfig) -> Plan:
 def _check_inputs(cfg: PPOConfig) -> list[str]:
     """Read the prompts and load the user's code as ``run`` does (nothing starts); what was read."""
     with tempfile.TemporaryDirectory() as tmp:  # the demo model, when no --actor.pretrain is given
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.actor.pretrain, Path(tmp))))
-        train_set, eval_set = load_prompts(cfg, tokenizer)  # says what it skipped
+        model_dir = resolve_model(cfg.actor.pretrain, Path(tmp))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        train_set, eval_set = load_prompts(cfg, tokenizer, model_dir)  # says what it skipped
         executor_factory(cfg, tokenizer=tokenizer).close()
     read = [f"inputs: {len(train_set.token_ids)} training prompts"]
     read += [f"{len(eval_set.token_ids)} evaluation prompts"] if eval_set else []
@@ -110,7 +112,8 @@ def _start(
     )
     state = r.resume(c.learner_groups(), RunState(cursor=PromptCursor(), kl_coef=cfg.algo.kl.coef))
     if r.resume_from is None and cfg.warmup_runs:
-        warmup(stages.warmup, c.actor, tokenizer)
+        encoder = ImageEncoder.for_model(r.model_dir) if cfg.train.demo_model == "vlm" else None
+        warmup(stages.warmup, c.actor, tokenizer, encoder)
     c.sync.push(version=state.weight_version or 1)
     return c, state
 
@@ -200,7 +203,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     plan_for = functools.partial(_plan_for, cfg)
     setup = prepare_run(cfg, pretrain=cfg.actor.pretrain, plan_for=plan_for, resumable=_resumable(cfg))
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
-    train_set, eval_set = load_prompts(cfg, tokenizer)
+    train_set, eval_set = load_prompts(cfg, tokenizer, setup.model_dir)
     setup.check_resume(total_steps=cfg.train.num_steps, data_size=len(train_set.token_ids))
     executors = executor_factory(cfg, tokenizer=tokenizer)  # loads reward / agent files: fail before start-up
     with setup.start() as r:

@@ -120,7 +120,7 @@ class RolloutStage:
         trajs = [t for g in (kept + dropped[:filled])[:want] for t in g]
         batch = RolloutBatch(
             step=step,
-            samples=[self._sample(t, i // n, weight_version) for i, t in enumerate(trajs)],
+            samples=self._samples(trajs, weight_version),
             weight_version=weight_version,
             cursor=dataclasses.replace(self.prompts.cursor),
             generation_s=t_gen,
@@ -143,6 +143,19 @@ class RolloutStage:
                 "(rollout/uniform_reward_groups_frac counts them each step)",
                 file=sys.stderr,
             )
+
+    def _samples(self, trajs: list[Trajectory], version: int) -> list[Sample]:
+        """The batch's samples; a prompt's images are made pixels once for its ``n`` samples."""
+        n, pixels, encoder = self.settings.sampling.n, {}, self.prompts.encoder
+        out = []
+        for i, t in enumerate(trajs):
+            sample = self._sample(t, i // n, version)
+            if t.images and encoder is not None:
+                if i // n not in pixels:
+                    pixels[i // n] = encoder.pixels(t.images)
+                sample.images = encoder.inputs(t.images, sample.token_ids, sample.action_mask, pixels[i // n])
+            out.append(sample)
+        return out
 
     def _sample(self, t: Trajectory, group: int, version: int) -> Sample:
         oldest = oldest_version(t.weight_versions)  # None: the engine labels no versions

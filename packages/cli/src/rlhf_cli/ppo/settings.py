@@ -226,10 +226,12 @@ class WarmupSettings:
     seed: int
     apply_chat_template: bool
     batching: Batching
+    demo_model: str = "small"
 
     @classmethod
     def of(cls, cfg: PPOConfig) -> WarmupSettings:
         return cls(
+            demo_model=cfg.train.demo_model,
             steps=cfg.train.warmup_sft_steps,
             batch_size=cfg.optimizer_batch_size,
             seed=cfg.train.seed,

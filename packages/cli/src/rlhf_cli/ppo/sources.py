@@ -82,7 +82,8 @@ def _agent_signature_fits(agent: Callable[..., Any]) -> bool:
 
 def _reward_source(cfg: PPOConfig) -> Any:
     if cfg.builtin_task:
-        return RewardFunction(task.reward_func, name=f"built-in {task.TASK_NAME} reward")
+        demo = task.builtin_task(cfg.train.demo_model)
+        return RewardFunction(demo.reward_func, name=f"built-in {demo.TASK_NAME} reward")
     if cfg.reward.func is not None:
         try:
             return RewardFunction.from_file(cfg.reward.func, timeout_s=cfg.reward.func_timeout_s)

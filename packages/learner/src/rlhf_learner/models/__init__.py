@@ -11,8 +11,15 @@ from rlhf_learner.models.value import (
     load_critic,
     load_reward_model,
 )
+from rlhf_learner.models.vision import (
+    VISION_LANGUAGE_TYPES,
+    freeze_vision_tower,
+    is_vision_language,
+    trained_parameters,
+)
 
 __all__ = [
+    "VISION_LANGUAGE_TYPES",
     "Actor",
     "ActorOutput",
     "Critic",
@@ -21,7 +28,9 @@ __all__ = [
     "check_model_dir",
     "check_sequence_length",
     "entropy_from_logits",
+    "freeze_vision_tower",
     "has_score_head",
+    "is_vision_language",
     "last_token_index",
     "load_causal_lm",
     "load_critic",
@@ -29,4 +38,5 @@ __all__ = [
     "load_reward_model",
     "shift_to_inputs",
     "token_logprobs",
+    "trained_parameters",
 ]

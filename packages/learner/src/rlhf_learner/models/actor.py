@@ -20,6 +20,7 @@ from rlhf_learner.models.loading import (
     zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+from rlhf_learner.models.vision import freeze_vision_tower, is_vision_language
 from rlhf_learner.packing import for_kernel
 
 if TYPE_CHECKING:
@@ -72,6 +73,32 @@ def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor |
     return out
 
 
+def _image_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    images: dict[str, torch.Tensor | None],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(input_ids, keyword arguments)`` of a vision-language model's call on rows with images (right-padded:
+    the model derives each row's M-RoPE positions from its ids, images and mask). A placeholder token outside
+    ``mm_token_type_ids`` (one the policy sampled) is text: it is embedded as such and hidden from the
+    model's image placement."""
+    if all(v is None for v in images.values()):
+        return input_ids, {}
+    if any(v is None for v in images.values()):
+        raise ValueError("pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
+    if not is_vision_language(model.config):
+        raise ValueError("pixel_values: the model has no vision tower (a text-only model)")
+    if attention_mask is None:
+        raise ValueError("pixel_values: image rows are right-padded (attention_mask), not packed")
+    kwargs: dict[str, torch.Tensor] = dict(images)  # type: ignore[arg-type]
+    text = (input_ids == int(model.config.image_token_id)) & (images["mm_token_type_ids"] == 0)
+    if text.any():
+        kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
+        input_ids = input_ids.masked_fill(text, 0)
+    return input_ids, kwargs
+
+
 def load_causal_lm(
     path: str | Path,
     *,
@@ -86,17 +113,18 @@ def load_causal_lm(
     ``lora.load_in_4bit`` its base is loaded in 4-bit NF4 first (QLoRA: CUDA + bitsandbytes, not ZeRO-3,
     else a ValueError naming ``load_in_4bit``).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     options = options or ModelOptions()
     check_compile(options, ds_config)
     cfg = check_model_dir(path, need_tokenizer=False)
-    if options.liger:
+    vision = is_vision_language(cfg)
+    if options.liger and not vision:
         from liger_kernel.transformers import AutoLigerKernelForCausalLM
 
         cls: Any = AutoLigerKernelForCausalLM
     else:
-        cls = AutoModelForCausalLM
+        cls = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     if lora is not None and lora.load_in_4bit:
         from rlhf_learner.lora import check_4bit, load_qlora_base
 
@@ -116,6 +144,8 @@ def load_causal_lm(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if options.gradient_checkpointing:
         model.config.use_cache = False
+    if vision and options.freeze_vision_tower:
+        freeze_vision_tower(model)
     if lora is not None:
         from rlhf_learner.lora import apply_lora
 
@@ -176,16 +206,27 @@ class Actor(nn.Module):
         return_entropy: bool = False,
         return_aux_loss: bool = False,
         return_vocab_logp: bool = False,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> ActorOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
         packed = position_ids  # as the caller gave them: packed rows
         position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
+        images = dict(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
+        )
+        model_ids, images = _image_inputs(self.model, input_ids, attention_mask, images)
         if return_vocab_logp and self.sp_group is not None:
             raise ValueError("return_vocab_logp: not with sequence parallelism (each rank holds a chunk)")
         if self.sp_group is not None:
+            if images:
+                raise ValueError("pixel_values: image rows are not split for sequence parallelism")
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(images)
+        if images:  # the model derives its M-RoPE (3D) positions from the ids, the images and the mask
+            position_ids = None
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):
                 raise ValueError(
@@ -198,7 +239,11 @@ class Actor(nn.Module):
                 input_ids, packed, attn_implementation=attn_implementation(self.config)
             )
         out = self.model(
-            input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=False, **kwargs
+            input_ids=model_ids if images else ids,
+            attention_mask=attention_mask,
+            position_ids=pos,
+            use_cache=False,
+            **kwargs,
         )
         # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
         # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.

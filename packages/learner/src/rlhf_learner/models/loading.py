@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from rlhf_learner.models.vision import check_vision_language, is_vision_language
+
 __all__ = [
     "ModelOptions",
     "attn_implementation",
@@ -45,6 +47,8 @@ class ModelOptions:
     a one-off compile in the first step (cached on disk under ``TORCHINDUCTOR_CACHE_DIR``). Not with
     ZeRO-3. On CPU pair it with ``attn_implementation='eager'``, which inductor fuses (sdpa's CPU kernels
     stay opaque to it, and their backward is slow in bf16)."""
+    freeze_vision_tower: bool = True
+    """Vision-language models: train the language model and the projector only (the vision tower frozen)."""
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
@@ -98,7 +102,9 @@ def check_model_dir(
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_file}: expected a JSON object, got {type(config).__name__}")
     archs = config.get("architectures") or []
-    if need_causal_lm and not any(a.endswith("ForCausalLM") for a in archs):
+    if need_causal_lm and is_vision_language(config):
+        check_vision_language(config, where=f"model folder {str(p)!r}")
+    elif need_causal_lm and not any(a.endswith("ForCausalLM") for a in archs):
         raise ValueError(
             f"model folder {str(p)!r} is not a causal LM: architectures={archs!r} has no *ForCausalLM"
         )

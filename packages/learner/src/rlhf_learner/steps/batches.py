@@ -26,6 +26,9 @@ __all__ = [
 ]
 
 
+_NOT_PER_TOKEN = ("input_ids", "pixel_values", "image_grid_thw")
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ModelRows:
     """Token rows as a model reads them. Subclasses add the fields of one step."""
@@ -36,6 +39,14 @@ class ModelRows:
     """``[B, T]`` 1 on real tokens (right-padded rows)."""
     position_ids: torch.Tensor | None = None
     """``[B, T]`` positions restarting at 0 per sequence (packed rows)."""
+    pixel_values: torch.Tensor | None = None
+    """Vision-language models: the rows' images, as the model's processor flattens them (``[patches, dim]``,
+    the images in the order their placeholder tokens appear, row by row). Image rows are padded."""
+    image_grid_thw: torch.Tensor | None = None
+    """``[images, 3]``: each image's grid of patches (time, height, width), as the processor gives it."""
+    mm_token_type_ids: torch.Tensor | None = None
+    """``[B, T]`` 1 on the images' tokens (with ``pixel_values``): a placeholder token the policy sampled
+    is text, as the engine read it."""
 
     per_row: ClassVar[tuple[str, ...]] = ()
     """Fields that hold one value per row, or per row group (checked by ``_check_rows``)."""
@@ -50,13 +61,22 @@ class ModelRows:
             raise ValueError(f"{name}.input_ids: expected a [B, T] tensor, got {tuple(self.input_ids.shape)}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "input_ids" or f.name in self.per_row or value is None:
+            if f.name in _NOT_PER_TOKEN or f.name in self.per_row or value is None:
                 continue
             if tuple(value.shape) != tuple(self.input_ids.shape):
                 raise ValueError(
                     f"{type(self).__name__}.{f.name}: shape {tuple(value.shape)}, "
                     f"input_ids has {tuple(self.input_ids.shape)}"
                 )
+        given = [
+            self.pixel_values is not None,
+            self.image_grid_thw is not None,
+            self.mm_token_type_ids is not None,
+        ]
+        if any(given) and not all(given):
+            raise ValueError(f"{name}.pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
+        if self.pixel_values is not None and self.position_ids is not None:
+            raise ValueError(f"{name}.pixel_values: image rows are padded (attention_mask), not packed")
         self._check_rows()
 
     def _check_rows(self) -> None:
@@ -80,8 +100,14 @@ class ModelRows:
         return rows // 2
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The keyword arguments of a model call besides ``input_ids`` (the masks that are set)."""
-        out = {"attention_mask": self.attention_mask, "position_ids": self.position_ids}
+        """The keyword arguments of a model call besides ``input_ids`` (the masks and images that are set)."""
+        out = {
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "pixel_values": self.pixel_values,
+            "image_grid_thw": self.image_grid_thw,
+            "mm_token_type_ids": self.mm_token_type_ids,
+        }
         return {k: v for k, v in out.items() if v is not None}
 
     def to(self, device: torch.device | str) -> Self:

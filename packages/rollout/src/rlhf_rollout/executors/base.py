@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_rollout.engine import TokenGenerator
+from rlhf_rollout.images import prompt_images
 from rlhf_rollout.types import Generation, SamplingParams, VersionSpan
 
 __all__ = ["AgentExecutorBase", "Trajectory", "agenerate"]
@@ -46,6 +47,8 @@ class Trajectory:
     weight_versions: tuple[VersionSpan, ...] = ()
     """Which weight versions sampled the policy's tokens, as spans over ``token_ids`` (several when a
     weight update landed mid-generation; empty when the engine labels no versions)."""
+    images: tuple[Any, ...] = ()
+    """The images whose tokens ``token_ids`` holds, in order (an :class:`~rlhf_rollout.ImagePrompt`'s)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -77,6 +80,7 @@ class Trajectory:
             weight_versions=tuple(
                 VersionSpan(v.version, v.start + len(p), v.end + len(p)) for v in generation.weight_versions
             ),
+            images=prompt_images(prompt_ids),
             **fields,
         )
 

@@ -20,6 +20,7 @@ from rlhf_learner import (
 )
 
 from rlhf_cli.data.batches import TeacherTargets, distill_batch, to_rows
+from rlhf_cli.data.images import ImageSequence, split_sequences
 from rlhf_cli.runtime.learners import losses, tensor_wire
 from rlhf_cli.runtime.learners.late_reference import LateReference, ref_logp_of
 from rlhf_cli.runtime.learners.specs import (
@@ -140,17 +141,20 @@ class LearnerWorker:
     # --- inference -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, *, sequences: list[torch.Tensor], micro_batch_size: int, packing: bool
+        self, *, sequences: list[torch.Tensor | ImageSequence], micro_batch_size: int, packing: bool
     ) -> list[torch.Tensor]:
-        """Per sequence: log-probs (actor, ref), state values (critic) as ``[T]``, or a score (reward)."""
+        """Per sequence: log-probs (actor, ref), state values (critic) as ``[T]``, or a score (reward).
+        A sequence with images (actor, ref) is scored from its ids and its images' pixels."""
         out: list[torch.Tensor] = []
         role = self.spec.role
         self.engine.eval()
         for lo in range(0, len(sequences), micro_batch_size):
-            chunk = sequences[lo : lo + micro_batch_size]
-            rows = to_rows([{"input_ids": s} for s in chunk], packing=packing and role != "reward")
+            ids, images = split_sequences(sequences[lo : lo + micro_batch_size])
+            rows = to_rows(
+                [{"input_ids": s} for s in ids], packing=packing and role != "reward", images=images
+            )
             t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
-            kw = {k: t[k] for k in ("attention_mask", "position_ids") if k in t}
+            kw = {k: v for k, v in t.items() if k != "input_ids"}
             if role in ("actor", "ref"):
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw).logp)]
             elif role == "critic":
@@ -307,8 +311,10 @@ class LearnerWorker:
     def send_weights(self, *, version: int) -> Any:
         """Ship the current policy to every engine (ZeRO-3 shards gathered bucket by bucket; LoRA
         merged first: with QLoRA each 4-bit base weight is dequantized on rank 0's GPU, the delta added,
-        and everything sent in the compute dtype, bf16). Collective over the group; rank 0 returns the
+        and everything sent in the compute dtype, bf16; a frozen vision tower is not sent: the engines
+        hold it from the checkpoint). Collective over the group; rank 0 returns the
         sender's ``SyncStats``, the other ranks None."""
+        from rlhf_learner.models import trained_parameters
         from rlhf_learner.strategy import unwrap_hf_model
         from rlhf_weightsync import gather_along
 
@@ -325,7 +331,7 @@ class LearnerWorker:
             from rlhf_learner.strategy import mark_full_shapes
 
             mark_full_shapes(hf)  # tensor-parallel shards: their whole shapes (a gather, the first time)
-            named, gather = list(hf.named_parameters()), self.strategy.gather
+            named, gather = trained_parameters(hf), self.strategy.gather
         # in the compute dtype: an fsdp2 group keeps fp32 shards under bf16 mixed precision (half the bytes)
         wire = torch.bfloat16 if self.strategy.options.precision == "bf16" else None
         if self.rank != 0:

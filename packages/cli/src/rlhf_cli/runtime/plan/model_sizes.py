@@ -57,13 +57,16 @@ class ModelSizes:
 
 def _meta_params(config: Any, *, value_head: bool) -> int:
     """Parameters of ``config``'s model built on the meta device (nothing allocated): the causal LM (a
-    tied head counted once), or with ``value_head`` the backbone (``AutoModel``) plus a 1-row scalar
-    head of ``hidden_size`` weights, as ``*ForSequenceClassification`` with one label has it."""
+    tied head counted once; a vision-language model's vision tower included), or with ``value_head`` the
+    backbone (``AutoModel``) plus a 1-row scalar head of ``hidden_size`` weights, as
+    ``*ForSequenceClassification`` with one label has it."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from rlhf_learner.models import is_vision_language
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    lm = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = (AutoModel if value_head else AutoModelForCausalLM).from_config(config)
+        model = (AutoModel if value_head else lm).from_config(config)
     n = sum(p.numel() for p in model.parameters())
     return n + (config.get_text_config().hidden_size if value_head else 0)
 

@@ -1,0 +1,214 @@
+"""Images in the data: read from a row (paths, base64 data URIs, a ``datasets`` ``Image`` feature), placed in
+the prompt at its placeholders, and turned by the model's processor into the prompt's token ids (each image's
+placeholder expanded to its tokens) and the pixels the learner's forward takes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rlhf_rollout import ImagePrompt
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "ImageEncoder",
+    "ImageInputs",
+    "ImageSequence",
+    "count_placeholders",
+    "row_images",
+    "split_sequences",
+]
+
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a text prompt (chat messages use ``{"type": "image"}`` parts instead)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageInputs:
+    """One sequence's images as the model's forward takes them."""
+
+    pixel_values: torch.Tensor
+    """``[patches, dim]``: the processor's flattened patches of every image, in order."""
+    image_grid_thw: torch.Tensor
+    """``[images, 3]``: each image's patch grid (time, height, width)."""
+    positions: torch.Tensor
+    """Where the images' tokens are in the sequence (a sampled placeholder token is text, not an image)."""
+
+    @staticmethod
+    def joined(items: Sequence[ImageInputs | None], width: int) -> dict[str, torch.Tensor]:
+        """The images of padded rows (``width`` tokens), one sequence each: ``pixel_values`` and
+        ``image_grid_thw`` in row order, and ``mm_token_type_ids`` (1 on each row's image tokens)."""
+        kinds = torch.zeros((len(items), width), dtype=torch.int32)
+        for row, item in enumerate(items):
+            if item is not None:
+                kinds[row, item.positions] = 1
+        present = [i for i in items if i is not None]
+        return {
+            "pixel_values": torch.cat([i.pixel_values for i in present]),
+            "image_grid_thw": torch.cat([i.image_grid_thw for i in present]),
+            "mm_token_type_ids": kinds,
+        }
+
+
+@dataclass(frozen=True)
+class ImageSequence:
+    """A sequence to score whose tokens hold images: its ids and its images' pixels."""
+
+    token_ids: torch.Tensor
+    images: ImageInputs
+
+
+def split_sequences(
+    sequences: Sequence[torch.Tensor | ImageSequence],
+) -> tuple[list[torch.Tensor], list[ImageInputs | None]]:
+    """The token ids of sequences to score, and each one's images (None for a text sequence)."""
+    ids = [s.token_ids if isinstance(s, ImageSequence) else s for s in sequences]
+    return ids, [s.images if isinstance(s, ImageSequence) else None for s in sequences]
+
+
+def row_images(row: dict, key: str, *, base: Path, where: str) -> tuple[Any, ...]:
+    """The images of a data row under ``key`` (one or a list; absent or empty: none), decoded to RGB.
+
+    Each is a path (relative to ``base``, the data file's folder), a ``data:image/...;base64,`` URI, a PIL
+    image or a ``{"bytes", "path"}`` dict (a ``datasets`` ``Image`` feature). ``where`` names the row in
+    errors (``file, line N``)."""
+    value = row.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(_image(v, base=base, where=f"{where}: image {k} of {key!r}") for k, v in enumerate(values))
+
+
+def _image(value: Any, *, base: Path, where: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        data, name = value.get("bytes"), value.get("path")
+    elif isinstance(value, str) and value.startswith("data:"):
+        head, _, payload = value.partition(",")
+        try:
+            data, name = base64.b64decode(payload, validate=True), head
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{where}: a data URI whose base64 does not decode") from None
+    elif isinstance(value, str):
+        data, name = None, value
+    else:
+        raise ValueError(f"{where}: expected a path, a data URI or an image, got {type(value).__name__}")
+    if data is None:
+        path = Path(name) if Path(name).is_absolute() else base / name
+        if not path.is_file():
+            raise ValueError(f"{where}: {str(path)!r} does not exist")
+        data = path.read_bytes()
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"{where}: {str(name)[:80]!r} does not decode as an image ({err})") from None
+
+
+def count_placeholders(prompt: str | list[dict]) -> int:
+    """Image places in a prompt: ``<image>`` in text (also inside a message's text), or image parts."""
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    n = 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        for part in parts:
+            if isinstance(part, dict) and part.get("type") == "image":
+                n += 1
+            elif isinstance(part, dict) and part.get("type") == "text":
+                n += str(part.get("text", "")).count(IMAGE_PLACEHOLDER)
+    return n
+
+
+def _parts(text: str) -> list[dict]:
+    """Text with ``<image>`` placeholders as chat content parts."""
+    out: list[dict] = []
+    for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if k:
+            out.append({"type": "image"})
+        if piece:
+            out.append({"type": "text", "text": piece})
+    return out
+
+
+def _messages(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as chat messages whose contents are parts (a text prompt: one user message)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": _parts(prompt)}]
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if isinstance(content, str):
+            content = _parts(content)
+        elif isinstance(content, list):
+            content = [
+                q
+                for part in content
+                for q in (_parts(part["text"]) if part.get("type") == "text" else [part])
+            ]
+        out.append({**m, "content": content})
+    return out
+
+
+class ImageEncoder:
+    """A vision-language model's processor: prompts with images to :class:`ImagePrompt` s, and images to
+    the pixels its forward takes. The prompt is rendered with the processor's chat template (a text prompt
+    as one user message) and tokenised once; the ids are the processor's, placeholders expanded."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        tok = processor.tokenizer
+        self.image_token_id = int(tok.convert_tokens_to_ids(processor.image_token))
+        self.merge = int(processor.image_processor.merge_size)
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path) -> ImageEncoder:
+        from transformers import AutoProcessor
+
+        return cls(AutoProcessor.from_pretrained(str(model_dir)))
+
+    def prompt(self, prompt: str | list[dict], images: Sequence[Any]) -> ImagePrompt:
+        text = self.processor.apply_chat_template(
+            _messages(prompt), add_generation_prompt=True, tokenize=False
+        )
+        out = self.processor(text=[text], images=list(images) or None, return_tensors="pt")
+        grid = out.get("image_grid_thw")
+        counts = [] if grid is None else (grid.prod(-1) // self.merge**2).tolist()
+        return ImagePrompt(
+            out["input_ids"][0].tolist(),
+            images=images,
+            image_token_id=self.image_token_id,
+            image_token_counts=counts,
+        )
+
+    def pixels(self, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values, image_grid_thw)`` of ``images``, as the processor makes them."""
+        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def inputs(
+        self,
+        images: Sequence[Any],
+        token_ids: torch.Tensor,
+        sampled: torch.Tensor,
+        pixels: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ImageInputs:
+        """The :class:`ImageInputs` of a sequence holding ``images``: their image tokens are the placeholder
+        tokens the policy did not sample (``sampled``: its action mask). ``pixels``: :meth:`pixels`' result
+        when already made (a prompt's samples share it)."""
+        pixel_values, grid = pixels if pixels is not None else self.pixels(images)
+        positions = ((token_ids == self.image_token_id) & ~sampled.bool()).nonzero().flatten()
+        want = int(grid.prod(-1).sum()) // self.merge**2
+        if positions.numel() != want:
+            raise ValueError(f"a sequence holds {positions.numel()} image tokens; its images take {want}")
+        return ImageInputs(pixel_values=pixel_values, image_grid_thw=grid, positions=positions)
