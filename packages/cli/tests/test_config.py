@@ -532,7 +532,11 @@ def test_dry_run_reads_the_inputs_as_the_run_would(tmp_path, demo_model_dir):
     )
     assert line == f"error: {prompts}, line 1: no 'q' key (--data.input_key); keys: ['input', 'label']"
     ok = run_cli(*model, "--data.path", str(prompts), "--reward.func", str(func))
-    assert ok.exit_code == 0 and "inputs: 2 training prompts read; the reward source loaded" in ok.output
+    assert (
+        ok.exit_code == 0
+        and "inputs: 2 training prompts (the longest " in ok.output
+        and "read; the reward source loaded" in ok.output
+    )
     sft = tmp_path / "s.jsonl"
     sft.write_text('{"prompt": "a", "response": "b"}\n')
     run = CliRunner().invoke(app, ["sft", "--data.path", str(sft), "--data.input_key", "q", "--dry-run"])

@@ -199,7 +199,9 @@ def sft_batch_from_examples(examples: Sequence[Example], *, packing: bool) -> SF
 def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, torch.Tensor]:
     """``input_ids``, ``loss_mask`` and ``attention_mask`` or ``position_ids`` of training examples."""
     return to_rows(
-        [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples], packing=packing
+        [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples],
+        packing=packing,
+        images=[e.images for e in examples],
     ).tensors
 
 

@@ -21,7 +21,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from rlhf_cli.config.offline import ExampleData, KTOData, PairData, SFTData
-from rlhf_cli.data.prompts import PromptCursor, encode_prompt, read_rows, seeded_order
+from rlhf_cli.data.images import ImageEncoder, ImageInputs, ImageSequence
+from rlhf_cli.data.prompts import PromptCursor, encode_prompt, prompt_row_images, read_rows, seeded_order
 
 __all__ = [
     "Example",
@@ -47,10 +48,17 @@ class Example:
     """``[T]`` prompt then response (ending with EOS)."""
     loss_mask: torch.Tensor
     """``[T]`` True on the tokens trained on: the response (or every token after the first)."""
+    images: ImageInputs | None = None
+    """The pixels of the images whose tokens ``token_ids`` holds (vision-language models)."""
 
     @property
     def length(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def scored(self) -> torch.Tensor | ImageSequence:
+        """What a group's forward scores: the token ids, with the images when there are some."""
+        return self.token_ids if self.images is None else ImageSequence(self.token_ids, self.images)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +91,7 @@ class _Source:
     """Where a row came from, for error messages: ``file, line N`` or ``folder, row N``."""
 
     def __init__(self, path: Path, where: str, number: int) -> None:
+        self.path = path
         self.text = f"{path}, {where} {number}"
 
     def fail(self, message: str) -> ValueError:
@@ -196,8 +205,26 @@ def _keep(items: Iterable[tuple[E, int]], path: Path, flag: str, limits: Limits)
     return out
 
 
-def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.path") -> list[Example]:
-    """SFT examples; ``data`` names the keys (``--data.*``)."""
+def _row_images(
+    row: dict, prompt: Any, data: ExampleData, src: _Source, encoder: ImageEncoder | None
+) -> tuple:
+    """A row's images, checked against its prompt (or conversation) and the model."""
+    base = src.path if src.path.is_dir() else src.path.parent
+    return prompt_row_images(
+        row, data.image_key, prompt, base=base, where=src.text, model_takes_images=encoder is not None
+    )
+
+
+def load_sft(
+    path: Path,
+    tokenizer: Any,
+    data: SFTData,
+    *,
+    flag: str = "--data.path",
+    encoder: ImageEncoder | None = None,
+) -> list[Example]:
+    """SFT examples; ``data`` names the keys (``--data.*``). With ``encoder`` (a vision-language model's
+    processor) rows may hold images (``--data.image_key``)."""
     prompt_key, response_key, messages_key = data.input_key, data.response_key, data.messages_key
     apply_chat_template, train_on_prompt = data.apply_chat_template, data.train_on_prompt
 
@@ -205,21 +232,19 @@ def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.p
         for src, row in _rows(path, flag):
             try:
                 if messages_key in row and response_key not in row:
-                    msgs = row[messages_key]
-                    if not _messages(msgs):
+                    prompt, response = None, row[messages_key]
+                    if not _messages(response):
                         raise ValueError(f"{messages_key!r} must be a list of {{role, content}} messages")
-                    ex = encode_example(
-                        None, msgs, tokenizer, apply_chat_template=True, train_on_prompt=train_on_prompt
-                    )
                 else:
                     prompt = _get(row, prompt_key, "--data.input_key", src)
                     response = _get(row, response_key, "--data.response_key", src)
+                images = _row_images(row, response if prompt is None else prompt, data, src, encoder)
+                if images and encoder is not None:
+                    ex = Example(**encoder.example(prompt, response, images, train_on_prompt=train_on_prompt))
+                else:
+                    chat = apply_chat_template or prompt is None
                     ex = encode_example(
-                        prompt,
-                        response,
-                        tokenizer,
-                        apply_chat_template=apply_chat_template,
-                        train_on_prompt=train_on_prompt,
+                        prompt, response, tokenizer, apply_chat_template=chat, train_on_prompt=train_on_prompt
                     )
             except ValueError as err:
                 raise err if str(err).startswith(str(path)) else src.fail(str(err)) from None
@@ -229,9 +254,15 @@ def load_sft(path: Path, tokenizer: Any, data: SFTData, *, flag: str = "--data.p
 
 
 def load_pairs(
-    path: Path, tokenizer: Any, data: PairData, *, flag: str = "--data.path"
+    path: Path,
+    tokenizer: Any,
+    data: PairData,
+    *,
+    flag: str = "--data.path",
+    encoder: ImageEncoder | None = None,
 ) -> list[PreferencePair]:
-    """Preference pairs; ``data`` names the keys (``--data.*``)."""
+    """Preference pairs; ``data`` names the keys (``--data.*``). With ``encoder`` (a vision-language
+    model's processor) rows may hold images (``--data.image_key``), shared by both responses."""
     prompt_key, chosen_key, rejected_key = data.input_key, data.chosen_key, data.rejected_key
     apply_chat_template = data.apply_chat_template
 
@@ -243,12 +274,14 @@ def load_pairs(
             if prompt is None and not _messages(chosen):
                 raise src.fail(f"no {prompt_key!r} key (--data.input_key); keys: {sorted(row)}")
             try:
-                pair = PreferencePair(
-                    chosen=encode_example(prompt, chosen, tokenizer, apply_chat_template=apply_chat_template),
-                    rejected=encode_example(
-                        prompt, rejected, tokenizer, apply_chat_template=apply_chat_template
-                    ),
+                images = _row_images(row, chosen if prompt is None else prompt, data, src, encoder)
+                chosen_ex, rejected_ex = (
+                    Example(**encoder.example(prompt, r, images))
+                    if images and encoder is not None
+                    else encode_example(prompt, r, tokenizer, apply_chat_template=apply_chat_template)
+                    for r in (chosen, rejected)
                 )
+                pair = PreferencePair(chosen=chosen_ex, rejected=rejected_ex)
             except ValueError as err:
                 raise src.fail(str(err)) from None
             yield pair, max(pair.chosen.length, pair.rejected.length)

@@ -21,6 +21,7 @@ __all__ = [
     "ImageInputs",
     "ImageSequence",
     "count_placeholders",
+    "image_encoder",
     "row_images",
     "split_sequences",
 ]
@@ -160,6 +161,14 @@ def _messages(prompt: str | list[dict]) -> list[dict]:
     return out
 
 
+def image_encoder(model_dir: str | Path) -> ImageEncoder | None:
+    """The processor of a vision-language model folder (None for a text-only model)."""
+    from rlhf_learner.models import check_model_dir, is_vision_language
+
+    config = check_model_dir(model_dir, need_causal_lm=False, need_tokenizer=False)
+    return ImageEncoder.for_model(model_dir) if is_vision_language(config) else None
+
+
 class ImageEncoder:
     """A vision-language model's processor: prompts with images to :class:`ImagePrompt` s, and images to
     the pixels its forward takes. The prompt is rendered with the processor's chat template (a text prompt
@@ -177,9 +186,13 @@ class ImageEncoder:
 
         return cls(AutoProcessor.from_pretrained(str(model_dir)))
 
-    def prompt(self, prompt: str | list[dict], images: Sequence[Any]) -> ImagePrompt:
+    def prompt(
+        self, prompt: str | list[dict], images: Sequence[Any], *, add_generation_prompt: bool = True
+    ) -> ImagePrompt:
+        """The prompt's ids (its images' tokens expanded), rendered by the chat template with the generation
+        prompt (``add_generation_prompt=False``: a whole conversation)."""
         text = self.processor.apply_chat_template(
-            _messages(prompt), add_generation_prompt=True, tokenize=False
+            _messages(prompt), add_generation_prompt=add_generation_prompt, tokenize=False
         )
         out = self.processor(text=[text], images=list(images) or None, return_tensors="pt")
         grid = out.get("image_grid_thw")
@@ -212,3 +225,34 @@ class ImageEncoder:
         if positions.numel() != want:
             raise ValueError(f"a sequence holds {positions.numel()} image tokens; its images take {want}")
         return ImageInputs(pixel_values=pixel_values, image_grid_thw=grid, positions=positions)
+
+    def example(
+        self,
+        prompt: str | list[dict] | None,
+        response: str | list[dict],
+        images: Sequence[Any],
+        *,
+        train_on_prompt: bool = False,
+    ) -> dict[str, Any]:
+        """``token_ids``, ``loss_mask`` and ``images`` of a training example with images: the conversation
+        rendered by the chat template, each image's placeholder expanded (the response is the last assistant
+        turn: text, or the last message of a message list)."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+        messages += (
+            list(response) if isinstance(response, list) else [{"role": "assistant", "content": response}]
+        )
+        if len(messages) < 2 or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
+            raise ValueError("a conversation must end with a non-empty assistant message (the response)")
+        p = list(self.prompt(messages[:-1], images))
+        full = list(self.prompt(messages, images, add_generation_prompt=False))
+        if full[: len(p)] != p:
+            raise ValueError("the chat template renders the prompt differently inside the conversation")
+        eos = self.processor.tokenizer.eos_token_id
+        ids = torch.tensor(full if eos in full[len(p) :] else [*full, eos], dtype=torch.long)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[1 if train_on_prompt else len(p) :] = True
+        return {
+            "token_ids": ids,
+            "loss_mask": mask,
+            "images": self.inputs(images, ids, torch.zeros_like(mask)),
+        }

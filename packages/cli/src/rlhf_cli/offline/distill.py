@@ -141,7 +141,9 @@ class DistillObjective:
 
 def _loader(cfg: DistillConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag: load_sft(path, tokenizer, cfg.data, flag=flag)
+    return lambda path, tokenizer, flag, encoder=None: load_sft(
+        path, tokenizer, cfg.data, flag=flag, encoder=encoder
+    )
 
 
 def _student_vocab(groups: Groups) -> int | None:

@@ -90,7 +90,9 @@ class DPOObjective(ReferenceObjective[PreferencePair]):
 
 def _loader(cfg: DPOConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag)
+    return lambda path, tokenizer, flag, encoder=None: load_pairs(
+        path, tokenizer, cfg.data, flag=flag, encoder=encoder
+    )
 
 
 def plan(cfg: DPOConfig) -> Plan:

@@ -91,7 +91,13 @@ class KTOObjective(ReferenceObjective[KTOExample]):
 
 def _loader(cfg: KTOConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag: load_kto(path, tokenizer, cfg.data, seed=cfg.train.seed, flag=flag)
+
+    def load(path, tokenizer, flag, encoder=None):
+        if encoder is not None:
+            raise ValueError("rlhf kto: not for vision-language models (rlhf sft, dpo and ppo take images)")
+        return load_kto(path, tokenizer, cfg.data, seed=cfg.train.seed, flag=flag)
+
+    return load
 
 
 def plan(cfg: KTOConfig) -> Plan:

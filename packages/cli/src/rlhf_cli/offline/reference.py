@@ -27,7 +27,7 @@ def sequence_logps(group: LearnerGroup, examples: Sequence[Example], *, micro_ba
     for lo in range(0, len(examples), SCORING_CHUNK):
         chunk = examples[lo : lo + SCORING_CHUNK]
         out += group.sequence_logps(
-            [e.token_ids for e in chunk], [e.loss_mask for e in chunk], micro_batch_size=micro_batch_size
+            [e.scored for e in chunk], [e.loss_mask for e in chunk], micro_batch_size=micro_batch_size
         )
         if len(examples) > SCORING_CHUNK:
             print(f"{group.spec.role}: scored {len(out)}/{len(examples)} sequences", file=sys.stderr)

@@ -82,7 +82,13 @@ class RMObjective:
 
 def _loader(cfg: RMConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag: load_pairs(path, tokenizer, cfg.data, flag=flag)
+
+    def load(path, tokenizer, flag, encoder=None):
+        if encoder is not None:
+            raise ValueError("rlhf rm: not for vision-language models (rlhf sft, dpo and ppo take images)")
+        return load_pairs(path, tokenizer, cfg.data, flag=flag)
+
+    return load
 
 
 def plan(cfg: RMConfig) -> Plan:

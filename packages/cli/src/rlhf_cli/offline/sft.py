@@ -62,7 +62,9 @@ class SFTObjective:
 
 def _loader(cfg: SFTConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag: load_sft(path, tokenizer, cfg.data, flag=flag)
+    return lambda path, tokenizer, flag, encoder=None: load_sft(
+        path, tokenizer, cfg.data, flag=flag, encoder=encoder
+    )
 
 
 def plan(cfg: SFTConfig) -> Plan:

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from rlhf_cli.config import OfflineConfig
 from rlhf_cli.data.examples import ExampleSet, split_heldout
+from rlhf_cli.data.images import image_encoder
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
 from rlhf_cli.runtime.learners.group import LearnerGroup, launch_groups
@@ -104,7 +105,7 @@ def offline_plan(
     return found
 
 
-def _check_data(cfg: OfflineConfig, load: Callable[[Path, Any, str], list]) -> list[str]:
+def _check_data(cfg: OfflineConfig, load: Callable[..., list]) -> list[str]:
     """Read ``--data.path`` and ``--eval.path`` (when given) with the model's tokenizer; what was read."""
     from transformers import AutoTokenizer
 
@@ -112,9 +113,10 @@ def _check_data(cfg: OfflineConfig, load: Callable[[Path, Any, str], list]) -> l
     if not given:
         return []
     with tempfile.TemporaryDirectory() as tmp:  # the demo model, when no --model.pretrain is given
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model.pretrain, Path(tmp))))
+        model_dir = resolve_model(cfg.model.pretrain, Path(tmp))
+        tokenizer, encoder = AutoTokenizer.from_pretrained(str(model_dir)), image_encoder(model_dir)
         return [
-            f"inputs: {flag} {path}: {len(load(Path(path), tokenizer, flag))} examples read"
+            f"inputs: {flag} {path}: {len(load(Path(path), tokenizer, flag, encoder))} examples read"
             for path, flag in given
         ]
 
@@ -243,9 +245,9 @@ def run_command(
     resumable = resumable_changes(lr_scheduled=cfg.model.lr_scheduled, backend=cfg.learner.backend)
     setup = prepare_run(cfg, pretrain=cfg.model.pretrain, plan_for=plan_for, resumable=resumable)
     _check_ref_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
+    tokenizer, encoder = AutoTokenizer.from_pretrained(str(setup.model_dir)), image_encoder(setup.model_dir)
     train_items, eval_items = load_examples(
-        cfg, lambda path, flag: load(path, tokenizer, flag), builtin=builtin
+        cfg, lambda path, flag: load(path, tokenizer, flag, encoder), builtin=builtin
     )
     steps = total_steps(cfg, len(train_items))
     setup.check_resume(total_steps=steps, data_size=len(train_items))

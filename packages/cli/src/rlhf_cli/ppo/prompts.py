@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.data.images import ImageEncoder
+from rlhf_cli.data.images import image_encoder
 from rlhf_cli.data.prompts import PromptSet, load_records, with_template
 from rlhf_cli.demo import task
-from rlhf_learner.models import check_model_dir, is_vision_language
 
 __all__ = ["load_prompts", "skipped_notes"]
 
@@ -19,9 +18,8 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[Promp
     not fit ``--rollout.max_model_len`` are skipped, counted and said (``--data.strict``: refused). With a
     vision-language model, rows may hold images (``--data.image_key``)."""
     limit = cfg.rollout.max_model_len
-    vision = is_vision_language(check_model_dir(model_dir, need_causal_lm=False, need_tokenizer=False))
-    encoder = ImageEncoder.for_model(model_dir) if vision else None
-    train, evals, source = _records(cfg, takes_images=vision)
+    encoder = image_encoder(model_dir)
+    train, evals, source = _records(cfg, takes_images=encoder is not None)
     if any(r.images for r in [*train, *(evals or [])]):
         _check_image_run(cfg, source)
     template = cfg.data.input_template

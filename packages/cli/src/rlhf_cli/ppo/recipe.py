@@ -71,7 +71,8 @@ def _check_inputs(cfg: PPOConfig) -> list[str]:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         train_set, eval_set = load_prompts(cfg, tokenizer, model_dir)  # says what it skipped
         executor_factory(cfg, tokenizer=tokenizer).close()
-    read = [f"inputs: {len(train_set.token_ids)} training prompts"]
+    longest = max(len(p) for p in train_set.token_ids)  # an image prompt's ids hold its image tokens
+    read = [f"inputs: {len(train_set.token_ids)} training prompts (the longest {longest} tokens)"]
     read += [f"{len(eval_set.token_ids)} evaluation prompts"] if eval_set else []
     return [", ".join(read) + " read; the reward source loaded"]
 

@@ -363,10 +363,12 @@ class LearnerWorker:
         """A Hugging Face folder (collective under ZeRO-3; rank 0 alone writes), sharded and cast as
         ``options`` say."""
         tokenizer = None
-        if tokenizer_path is not None and self.rank == 0:
-            from transformers import AutoTokenizer
+        if tokenizer_path is not None and self.rank == 0:  # a vision-language model: its whole processor
+            from rlhf_learner.models import is_vision_language
+            from transformers import AutoProcessor, AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            vision = is_vision_language(getattr(self.engine.module, "config", None))
+            tokenizer = (AutoProcessor if vision else AutoTokenizer).from_pretrained(tokenizer_path)
         self.strategy.export_hf(
             self.engine.module,
             directory,
