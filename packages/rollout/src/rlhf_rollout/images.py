@@ -17,7 +17,9 @@ __all__ = ["ImagePrompt", "prompt_images"]
 
 class ImagePrompt(list):
     """Token ids (placeholders expanded) plus ``images``; ``image_token_counts[k]`` is how many
-    ``image_token_id`` tokens image ``k`` takes. Pickles (to Ray actors) with its images."""
+    ``image_token_id`` tokens image ``k`` takes. Built from a processor's output every placeholder token is
+    an image's; text appended later (:meth:`extended`, a sampled turn) holds none, even a placeholder
+    token the policy sampled. Pickles (to Ray actors) with its images."""
 
     images: tuple[Any, ...]
     image_token_id: int
@@ -30,38 +32,47 @@ class ImagePrompt(list):
         images: Sequence[Any],
         image_token_id: int,
         image_token_counts: Sequence[int],
+        image_mask: Sequence[bool] | None = None,
     ) -> None:
         super().__init__(int(t) for t in token_ids)
         self.images = tuple(images)
         self.image_token_id = int(image_token_id)
         self.image_token_counts = tuple(int(c) for c in image_token_counts)
+        mask = [t == self.image_token_id for t in self] if image_mask is None else list(image_mask)
+        self._image_mask = mask
         if len(self.images) != len(self.image_token_counts):
             raise ValueError(
                 f"ImagePrompt: {len(self.images)} images but {len(self.image_token_counts)} token counts"
             )
-        found = sum(1 for t in self if t == self.image_token_id)
-        if found != sum(self.image_token_counts):
+        if len(mask) != len(self) or sum(mask) != sum(self.image_token_counts):
             raise ValueError(
-                f"ImagePrompt: {found} image tokens in the ids, the images take {sum(self.image_token_counts)}"
+                f"ImagePrompt: {sum(mask)} image tokens in the ids, the images take {sum(self.image_token_counts)}"
             )
+
+    def image_mask(self) -> list[bool]:
+        """True on the tokens of the images (a placeholder token sampled into the ids is text)."""
+        return list(self._image_mask)
 
     def extended(self, token_ids: Iterable[int]) -> ImagePrompt:
         """This prompt followed by ``token_ids`` (text: no image tokens), with the same images."""
+        ids = list(token_ids)
         return ImagePrompt(
-            [*self, *token_ids],
+            [*self, *ids],
             images=self.images,
             image_token_id=self.image_token_id,
             image_token_counts=self.image_token_counts,
+            image_mask=[*self._image_mask, *([False] * len(ids))],
         )
 
-    def image_mask(self) -> list[bool]:
-        """True on the tokens of the images (a placeholder token later in the ids, sampled, is text)."""
-        out, left = [], sum(self.image_token_counts)
-        for t in self:
-            is_image = t == self.image_token_id and left > 0
-            left -= is_image
-            out.append(is_image)
-        return out
+    def joined(self, other: ImagePrompt) -> ImagePrompt:
+        """This prompt followed by ``other`` (e.g. an environment's answer with its own images)."""
+        return ImagePrompt(
+            [*self, *other],
+            images=self.images + other.images,
+            image_token_id=self.image_token_id,
+            image_token_counts=self.image_token_counts + other.image_token_counts,
+            image_mask=self._image_mask + other.image_mask(),
+        )
 
     def engine_ids(self) -> list[int]:
         """The ids with each image's tokens collapsed to one placeholder (what an engine that runs the
@@ -69,12 +80,12 @@ class ImagePrompt(list):
         out: list[int] = []
         counts = iter(self.image_token_counts)
         skip = 0
-        for t in self:
+        for t, is_image in zip(self, self._image_mask, strict=True):
             if skip:
                 skip -= 1
                 continue
             out.append(t)
-            if t == self.image_token_id:
+            if is_image:
                 skip = next(counts) - 1
         return out
 

@@ -256,3 +256,23 @@ class ImageEncoder:
             "loss_mask": mask,
             "images": self.inputs(images, ids, torch.zeros_like(mask)),
         }
+
+    def feedback(self, text: str, images: Sequence[Any], ended_with_eos: bool) -> ImagePrompt:
+        """An environment's feedback showing ``images`` (one per ``<image>`` in ``text``) as a user turn and
+        the generation prompt, after EOS when the model's turn did not end with it (as the text feedback)."""
+        if count_placeholders(text) != len(images):
+            raise ValueError(
+                f"environment feedback shows {len(images)} image(s) but has {count_placeholders(text)} "
+                f"'{IMAGE_PLACEHOLDER}' placeholder(s)"
+            )
+        turn = self.prompt(text, images)
+        tok = self.processor.tokenizer
+        sep = tok.encode("\n", add_special_tokens=False)
+        prefix = sep if ended_with_eos else [tok.eos_token_id, *sep]
+        return ImagePrompt(
+            [*prefix, *turn],
+            images=turn.images,
+            image_token_id=self.image_token_id,
+            image_token_counts=turn.image_token_counts,
+            image_mask=[False] * len(prefix) + turn.image_mask(),
+        )

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from rlhf_cli.config import PPOConfig
 from rlhf_cli.config.models import REWARD_TOKEN_ENV
+from rlhf_cli.data.images import ImageEncoder
 from rlhf_cli.demo import task
 from rlhf_rollout import (
     AgentExecutorBase,
@@ -127,10 +128,13 @@ class _PlainFactory:
         return None
 
 
-def executor_factory(cfg: PPOConfig, *, tokenizer: Any) -> ExecutorFactory:
+def executor_factory(
+    cfg: PPOConfig, *, tokenizer: Any, encoder: ImageEncoder | None = None
+) -> ExecutorFactory:
     """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
-    before anything starts. Register the result's ``close`` to run when the run ends."""
-    factory = _factory(cfg, tokenizer)
+    before anything starts. Register the result's ``close`` to run when the run ends. ``encoder``: a
+    vision-language model's processor (an environment's feedback may then show images)."""
+    factory = _factory(cfg, tokenizer, encoder)
     if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.capabilities.seeded_calls:
         raise ValueError(
             f"--rollout.seed_per_sample false seeds each engine call, but {cfg.train.agent_func_path} makes "
@@ -146,7 +150,7 @@ def _agent_reward(agent: Any, path: Path, timeout_s: float | None) -> RewardFunc
         raise ValueError(f"--train.agent_func_path: {err}") from None
 
 
-def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
+def _factory(cfg: PPOConfig, tokenizer: Any, encoder: ImageEncoder | None) -> ExecutorFactory:
     path = cfg.train.agent_func_path
     agent = load_agent_file(path) if path is not None else None
     if agent is not None and callable(getattr(agent, AGENT_FUNC, None)):
@@ -168,6 +172,7 @@ def _factory(cfg: PPOConfig, tokenizer: Any) -> ExecutorFactory:
                 env_factory=agent.make_env,
                 max_turns=cfg.train.max_turns,
                 max_length=limit,
+                render_images=encoder.feedback if encoder is not None else None,
             )
 
         return _PlainFactory(multi, per_episode=True)

@@ -18,6 +18,7 @@ from rlhf_rollout.executors.base import (
     check_prompt_lengths,
     engine_max_model_len,
 )
+from rlhf_rollout.images import ImagePrompt
 from rlhf_rollout.types import SamplingParams, VersionSpan
 
 __all__ = ["AgentEnv", "MultiTurnExecutor", "StepResult", "chat_feedback_tokens"]
@@ -34,6 +35,8 @@ class StepResult:
     params: SamplingParams | None = None
     """Sampling parameters for the next turn, or ``None`` to keep the current ones."""
     extra_logs: dict[str, float] = field(default_factory=dict)
+    images: tuple[Any, ...] = ()
+    """Images shown with the feedback (a vision-language model), one per ``<image>`` in its text."""
 
 
 class AgentEnv(Protocol):
@@ -97,6 +100,7 @@ class MultiTurnExecutor(AgentExecutorBase):
         max_length: int | None = None,
         render_feedback: Callable[[str, bool], list[int]] | None = None,
         step_timeout_s: float | None = None,
+        render_images: Callable[[str, Sequence[Any], bool], ImagePrompt] | None = None,
     ) -> None:
         super().__init__(engine=engine, params=replace(params, n=1))
         if max_turns < 1:
@@ -110,6 +114,8 @@ class MultiTurnExecutor(AgentExecutorBase):
         self.max_turns = max_turns
         self.max_length = max_length
         self.render_feedback = render_feedback or chat_feedback_tokens(tokenizer)
+        self.render_images = render_images
+        """Feedback with images as an :class:`ImagePrompt` (text, images, whether the turn ended with EOS)."""
 
     async def arun(
         self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
@@ -120,7 +126,9 @@ class MultiTurnExecutor(AgentExecutorBase):
         what = "the engine's max_model_len" if limit == engine_limit else "the executor's max_length"
         check_prompt_lengths(prompts, limit, what=what)
         eps = [
-            _Episode(i=i, j=j, env=self.env_factory(), tokens=list(p), params=self.params)
+            _Episode(
+                i=i, j=j, env=self.env_factory(), tokens=list(p), params=self.params, pictures=_Pictures.of(p)
+            )
             for i, p in enumerate(prompts)
             for j in range(self.samples_per_prompt)
         ]
@@ -183,16 +191,18 @@ class MultiTurnExecutor(AgentExecutorBase):
             p = replace(p, seed=p.seed + (e.i * self.samples_per_prompt + e.j) * self.max_turns + turn)
         room = limit - len(e.tokens)
         p = replace(p, n=1, max_new_tokens=max(1, min(p.max_new_tokens, room)))
+        context = e.pictures.prompt(e.tokens)
         if queue is None:
-            gens = await agenerate(self.engine, [e.tokens], p)
+            gens = await agenerate(self.engine, [context], p)
         else:
             async with queue:
-                gens = await agenerate(self.engine, [e.tokens], p)
+                gens = await agenerate(self.engine, [context], p)
         g = gens[0][0]
         e.versions += [
             VersionSpan(v.version, v.start + len(e.tokens), v.end + len(e.tokens)) for v in g.weight_versions
         ]
         e.tokens += g.token_ids
+        e.pictures.text(len(g.token_ids))
         e.mask += [True] * len(g.token_ids)
         e.logprobs += g.logprobs
         e.last_action = list(g.token_ids)
@@ -209,15 +219,74 @@ class MultiTurnExecutor(AgentExecutorBase):
         if last_turn:
             e.finished, e.truncated = True, True
             return
-        feedback = self.render_feedback(res.feedback, bool(e.last_action) and e.last_action[-1] == eos)
+        ended = bool(e.last_action) and e.last_action[-1] == eos
+        feedback = self._feedback(e, res, ended)
         if len(e.tokens) + len(feedback) >= limit:
             e.finished, e.truncated = True, True
             return
+        e.pictures.add(feedback)
         e.tokens += feedback
         e.mask += [False] * len(feedback)
         e.logprobs += [0.0] * len(feedback)
         if res.params is not None:
             e.params = replace(res.params, n=1)
+
+    def _feedback(self, e: _Episode, res: StepResult, ended_with_eos: bool) -> list[int]:
+        """The feedback's tokens (an :class:`ImagePrompt` when it shows images)."""
+        images = tuple(getattr(res, "images", ()) or ())
+        if not images:
+            return self.render_feedback(res.feedback, ended_with_eos)
+        if self.render_images is None:
+            raise ValueError(
+                f"environment step on prompt {e.i} (sample {e.j}), turn {e.turns}: returned images, but "
+                "the model takes none (a text-only model)"
+            )
+        return self.render_images(res.feedback, images, ended_with_eos)
+
+
+@dataclass(kw_only=True)
+class _Pictures:
+    """The images of an episode's context so far, and which of its tokens are theirs."""
+
+    images: list[Any] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    image_token_id: int | None = None
+
+    @classmethod
+    def of(cls, prompt: Sequence[int]) -> _Pictures:
+        if isinstance(prompt, ImagePrompt):
+            return cls(
+                images=list(prompt.images),
+                counts=list(prompt.image_token_counts),
+                mask=prompt.image_mask(),
+                image_token_id=prompt.image_token_id,
+            )
+        return cls(mask=[False] * len(prompt))
+
+    def text(self, n: int) -> None:
+        self.mask += [False] * n
+
+    def add(self, tokens: list[int]) -> None:
+        if not isinstance(tokens, ImagePrompt):
+            return self.text(len(tokens))
+        self.images += tokens.images
+        self.counts += tokens.image_token_counts
+        self.mask += tokens.image_mask()
+        self.image_token_id = tokens.image_token_id
+        return None
+
+    def prompt(self, tokens: list[int]) -> list[int]:
+        """The context as the engine takes it: the ids, with the images when there are some."""
+        if not self.images or self.image_token_id is None:
+            return tokens
+        return ImagePrompt(
+            tokens,
+            images=self.images,
+            image_token_id=self.image_token_id,
+            image_token_counts=self.counts,
+            image_mask=self.mask,
+        )
 
 
 @dataclass(kw_only=True)
@@ -227,6 +296,7 @@ class _Episode:
     env: Any
     tokens: list[int]
     params: SamplingParams
+    pictures: _Pictures = field(default_factory=_Pictures)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
@@ -252,6 +322,7 @@ class _Episode:
             prompt_index=self.i,
             sample_index=self.j,
             weight_versions=tuple(self.versions),
+            images=tuple(self.pictures.images),
             extra_logs={
                 **self.extra,
                 "turns": float(self.turns),

@@ -1,0 +1,219 @@
+"""Image data for vision-language models, without Ray: rows read in every form, prompt ids built once as the
+processor builds them, bad rows refused in one line, image rows batched so each keeps its own M-RoPE
+positions, and the transformers engine (one turn, and several with an environment that shows an image)
+sampling the log-probs the learner computes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def encoder(vlm_dir):
+    from rlhf_cli.data.images import ImageEncoder
+
+    return ImageEncoder.for_model(vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def actor(vlm_dir):
+    from rlhf_learner.models import Actor, load_causal_lm
+
+    return Actor(load_causal_lm(vlm_dir)).eval()
+
+
+def _png(colour, size=56) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_ids_are_the_processors_own_for_messages_and_for_text(encoder):
+    red, blue = Image.new("RGB", (84, 84), (220, 0, 0)), Image.new("RGB", (56, 112), (0, 0, 220))
+    messages = [
+        {"role": "system", "content": "look closely"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]},
+    ]
+    proc = encoder.processor
+    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    want = proc(text=[text], images=[red, blue], return_tensors="pt")
+    got = encoder.prompt(messages, [red, blue])
+    assert list(got) == want["input_ids"][0].tolist()
+    assert got.image_token_counts == (9, 8)  # 84x84: 6x6 patches merged 2x2; 56x112: 4x8
+    plain = encoder.prompt("<image>and<image>", [red, blue])  # text: one user message of parts
+    user = [{"role": "user", "content": messages[1]["content"]}]
+    want = proc(text=[proc.apply_chat_template(user, add_generation_prompt=True)], images=[red, blue])
+    assert list(plain) == want["input_ids"][0]
+
+
+def test_images_are_read_from_paths_data_uris_and_datasets_folders(tmp_path, vlm_dir):
+    import datasets
+    from rlhf_cli.data.prompts import load_records
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "r.png").write_bytes(_png((200, 10, 10)))
+    uri = "data:image/png;base64," + base64.b64encode(_png((10, 10, 200))).decode()
+    rows = [
+        {"input": "<image>colour?", "label": "red", "images": "img/r.png"},
+        {
+            "input": [{"role": "user", "content": "<image><image>same?"}],
+            "label": "no",
+            "images": ["img/r.png", uri],
+        },
+        {"input": "no picture", "label": "x"},
+    ]
+    data = _write(tmp_path / "p.jsonl", rows)
+    keys = dict(input_key="input", label_key="label", image_key="images", model_takes_images=True)
+    recs = load_records(data, **keys)
+    assert [len(r.images) for r in recs] == [1, 2, 0]
+    assert recs[1].images[1].getpixel((3, 3)) == (10, 10, 200) and recs[0].images[0].mode == "RGB"
+    folder = tmp_path / "ds"
+    images = [[Image.open(io.BytesIO(_png((200, 10, 10))))], [Image.open(io.BytesIO(_png((10, 200, 10))))]]
+    features = datasets.Features(
+        {"input": datasets.Value("string"), "label": datasets.Value("string"), "images": [datasets.Image()]}
+    )
+    table = {"input": ["<image>colour?"] * 2, "label": ["red", "green"], "images": images}
+    datasets.Dataset.from_dict(table, features=features).save_to_disk(folder)
+    recs = load_records(folder, **keys)
+    assert [r.images[0].getpixel((0, 0)) for r in recs] == [(200, 10, 10), (10, 200, 10)]
+
+
+@pytest.mark.parametrize(
+    ("row", "error"),
+    [
+        ({"images": "gone.png"}, "image 0 of 'images': '{dir}/gone.png' does not exist"),
+        ({"images": "bad.png"}, "image 0 of 'images': 'bad.png' does not decode as an image"),
+        ({"images": ["ok.png", "ok.png"]}, "2 image(s) under 'images' but 1 placeholder(s) in the prompt"),
+        ({"images": [], "input": "<image><image>?"}, None),  # an empty list: a text row
+        ({"images": "ok.png", "input": "no place"}, "1 image(s) under 'images' but 0 placeholder(s)"),
+    ],
+)
+def test_a_bad_image_row_is_refused_in_one_line_naming_the_file_and_line(tmp_path, row, error):
+    from rlhf_cli.data.prompts import load_records
+
+    (tmp_path / "bad.png").write_text("not an image")
+    (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
+    data = _write(tmp_path / "p.jsonl", [{"input": "<image>?", "label": 1}, {"input": "<image>?", **row}])
+    keys = dict(input_key="input", label_key=None, image_key="images", model_takes_images=True)
+    if error is None:
+        assert [len(r.images) for r in load_records(data, **keys)] == [0, 0]
+        return
+    with pytest.raises(ValueError) as caught:
+        load_records(data, **keys)
+    message = str(caught.value)
+    assert message.startswith(f"{data}, line 2: ") and "\n" not in message
+    assert error.format(dir=tmp_path) in message
+
+
+def test_images_for_a_text_only_model_are_refused_naming_the_row(tmp_path, demo_model_dir):
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.prompts import load_prompts
+    from transformers import AutoTokenizer
+
+    (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
+    rows = [{"input": "hi", "label": 1}, {"input": "<image>?", "label": 1, "images": "ok.png"}]
+    data = _write(tmp_path / "p.jsonl", rows)
+    cfg = build_config(
+        PPOConfig,
+        ["--actor.pretrain", str(demo_model_dir), "--data.path", str(data), "--reward.func", "r.py"],
+    )
+    with pytest.raises(ValueError) as caught:
+        load_prompts(cfg, AutoTokenizer.from_pretrained(demo_model_dir), demo_model_dir)
+    assert str(caught.value) == (
+        f"{data}, line 2: has images under 'images' (--data.image_key), but the model is text-only"
+    )
+
+
+def _sequences(encoder):
+    """Three sequences of different lengths and image sizes; the last response holds a placeholder token."""
+    from rlhf_cli.demo import shapes
+
+    out = []
+    for k, r in enumerate(shapes.records(seed=5, count=3)):
+        images = [r.images[0].resize((56 + 28 * k, 56))]
+        prompt = encoder.prompt(r.prompt, images)
+        response = [40 + k] * (3 + 2 * k) + ([encoder.image_token_id, 41] if k == 2 else [])
+        ids = torch.tensor([*prompt, *response])
+        sampled = torch.tensor([False] * len(prompt) + [True] * len(response))
+        out.append((ids, sampled, encoder.inputs(images, ids, sampled)))
+    return out
+
+
+def test_image_rows_are_padded_and_each_keeps_its_own_log_probs(encoder, actor):
+    """Packing asked for: image rows are padded anyway, one sequence each, and give each sequence the
+    log-probs it has alone (its M-RoPE positions are its own); a sampled placeholder token is text."""
+    from rlhf_cli.data.batches import to_rows
+
+    seqs = _sequences(encoder)
+    assert seqs[2][2].positions.numel() == 8  # 112x56 pixels: 8 tokens; the sampled one is not counted
+    rows = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=True, images=[i for _, _, i in seqs])
+    assert "position_ids" not in rows.tensors and rows.tensors["input_ids"].shape[0] == 3
+    t = rows.tensors
+    with torch.no_grad():
+        together = rows.split(actor(t["input_ids"], **{k: v for k, v in t.items() if k != "input_ids"}).logp)
+        for (ids, _, images), lp in zip(seqs, together, strict=True):
+            one = to_rows([{"input_ids": ids}], packing=False, images=[images]).tensors
+            alone = actor(one["input_ids"], **{k: v for k, v in one.items() if k != "input_ids"}).logp[0]
+            torch.testing.assert_close(lp, alone, atol=1e-5, rtol=0)
+
+
+def test_the_transformers_engine_samples_the_learners_log_probs_over_turns_that_show_images(
+    vlm_dir, encoder, actor
+):
+    """One turn, then an environment that answers with a new image: every sampled token's log-prob from
+    the transformers engine equals the learner's from the whole trajectory and its two images."""
+    from rlhf_cli.data.batches import to_rows
+    from rlhf_cli.demo import shapes
+    from rlhf_rollout import MultiTurnExecutor, SamplingParams, StepResult, TransformersEngine
+
+    class ShowAnother:
+        async def reset(self, *, prompt, label):
+            self.turn = 0
+
+        async def step(self, *, action):
+            self.turn += 1
+            if self.turn == 2:
+                return StepResult(feedback="", reward=1.0, done=True)
+            picture = Image.new("RGB", (84, 56), (0, 180, 0))
+            return StepResult(feedback="<image>and this?", reward=0.0, done=False, images=(picture,))
+
+    engine = TransformersEngine(model=str(vlm_dir))
+    records = shapes.records(seed=2, count=2)
+    prompts = [encoder.prompt(r.prompt, r.images) for r in records]
+    executor = MultiTurnExecutor(
+        engine=engine,
+        params=SamplingParams(max_new_tokens=5, seed=3, n=2),
+        tokenizer=encoder.processor.tokenizer,
+        env_factory=ShowAnother,
+        max_turns=2,
+        max_length=256,
+        render_images=encoder.feedback,
+    )
+    trajs = executor.run(prompts, labels=[None, None])
+    assert [len(t.images) for t in trajs] == [2, 2, 2, 2]
+    for t in trajs:
+        ids, sampled = torch.tensor(t.token_ids), torch.tensor(t.action_mask)
+        rows = to_rows([{"input_ids": ids}], packing=False, images=[encoder.inputs(t.images, ids, sampled)])
+        x = rows.tensors
+        with torch.no_grad():
+            lp = actor(x["input_ids"], **{k: v for k, v in x.items() if k != "input_ids"}).logp[0]
+        torch.testing.assert_close(lp[sampled], torch.tensor(t.logprobs)[sampled], atol=1e-4, rtol=0)
