@@ -22,11 +22,15 @@ RENAMED: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "train.max_steps": ("train.num_steps", _OFFLINE),
     "data.prompt_key": ("data.input_key", _OFFLINE),
     **{f"vllm.{k}": (f"rollout.{k}", ("ppo",)) for k in _ENGINE_SETTINGS},
+    "actor.freeze_vision_tower": ("actor.model.freeze_vision_tower", ("ppo",)),
+    "model.freeze_vision_tower": ("model.options.freeze_vision_tower", _OFFLINE),
 }
 """Other name (a section or a key) -> (the name it has now, the commands that read it; None: every one).
 ``--ds.*`` became ``--learner.*`` when training backends other than DeepSpeed arrived (and
 ``--train.backend`` names the backend too); the engine settings every rollout backend has left
-``--vllm.*``; the offline commands took rlhf ppo's names for the run's length and the prompt's key."""
+``--vllm.*``; the offline commands took rlhf ppo's names for the run's length and the prompt's key;
+``--actor.freeze_vision_tower`` (and the offline ``--model.freeze_vision_tower``) is a short name for the model
+option."""
 
 
 def names_for(command: str | None) -> dict[str, str]:
