@@ -2,15 +2,14 @@
 10.213.0.2): a Ray cluster with its head on host A and a worker node on host B, Ray's token
 authentication on; the drivers run in host A, and the run folder is on the filesystem both hosts share.
 
-- ``rlhf sft --model.num_nodes 2``: a rank on each host, gloo all-reduces across the link; the same
-  losses as two ranks on one host.
+- ``rlhf sft --model.num_nodes 2 --train.elastic`` (fsdp2): a rank on each host, gloo all-reduces across
+  the link; the same losses as two ranks on one host. Then host B is lost mid-run, and the same driver goes
+  on on host A at data-parallel size 1 to the last step. Host B is then brought back.
 - ``rlhf ppo --actor.num_nodes 2``: a ZeRO-3 rank on each host, the engine on host B, the weights synced
   over gloo across the link (what ``--weightsync.transport auto`` resolves to, as the run logs), the
   engine's log-probs equal to the learner's after every sync. Killed with SIGKILL at the driver at a
   random step, and resumed: it ends with the uninterrupted run's weights and metrics (checkpoints written
   from both hosts into one run folder).
-- ``rlhf sft --train.elastic`` on two fsdp2 ranks, one per host: host B lost mid-run, the same driver goes
-  on on host A at data-parallel size 1 to the last step. Host B is then brought back.
 - Host B lost mid-run (its link goes dark, every process in it dies) under ``rlhf ppo`` without
   ``--train.elastic``: one line names the host and the rank and engine that were on it, the restart finds
   the actor's two nodes missing and ends the run in one line, and nothing is left running on host A.
@@ -60,39 +59,68 @@ def on_both_hosts(d: Driver, cluster: RayCluster, kind: str, only: int | None = 
         )
 
 
-def test_sft_data_parallel_across_hosts_gives_the_losses_of_one_host(
-    two_host_ray, ray_cluster, demo_model_dir, tmp_path
+def test_sft_across_hosts_gives_one_hosts_losses_and_goes_on_elastic_on_the_host_left(
+    two_host_ray, ray_cluster, demo_model_dir, tmp_path, shared_processes
 ):
+    """``rlhf sft --train.elastic`` on two fsdp2 ranks, one on each host, checkpointed every step: its steps
+    give the losses of the same run on one host; then host B is lost after step 2, and the same driver goes
+    on on host A alone, at data-parallel size 1 (the batch kept by twice the accumulation), from the
+    checkpoint both ranks wrote, to the last step. Host B is brought back for the tests after this one."""
     cluster = two_host_ray
+    a, b = cluster.hosts
     wrong = cluster.status(env={**cluster.env, "RAY_AUTH_TOKEN": "not-the-token"})
     assert wrong.returncode != 0 and "auth" in (wrong.stdout + wrong.stderr).lower()  # the token is checked
 
     data = task.write_data("sft", tmp_path / "sft.jsonl", seed=0)
     flags = [
         *("--model.pretrain", str(demo_model_dir), "--data.path", str(data), "--data.apply_chat_template"),
-        *("--train.batch_size", "24", "--train.micro_batch_size", "6", "--train.num_epochs", "1"),
-        *("--train.seed", "3", "--model.lr", "1e-3", "--eval.every", "2", *QUIET),
+        *("--train.batch_size", "12", "--train.micro_batch_size", "6", "--train.num_steps", "5"),
+        *(
+            "--learner.backend",
+            "fsdp2",
+            "--model.lr",
+            "1e-3",
+            "--eval.every",
+            "0",
+            "--train.seed",
+            "3",
+            *QUIET,
+        ),
     ]
     one_host = ["--model.num_devices_per_node", "2", "--logger.run_dir", str(tmp_path / "one")]
     sft.run(build_config(SFTConfig, [*flags, *one_host]))  # the session's local cluster: one host
 
-    d = Driver(
-        "sft",
-        [*flags, *ACROSS, "--model.num_nodes", "2"],
-        cluster.address,
-        tmp_path / "two",
-        env=cluster.env,
-        host=cluster.hosts[0],
-    )
-    on_both_hosts(d, cluster, "LearnerWorker")
-    rc, _, err = d.finish()
+    elastic = [
+        "--model.num_nodes",
+        "2",
+        "--ckpt.save_steps",
+        "1",
+        "--train.elastic",
+        "--train.max_restarts",
+        "1",
+    ]
+    run_dir = tmp_path / "run"
+    d = Driver("sft", [*flags, *elastic, *ACROSS], cluster.address, run_dir, env=cluster.env, host=a)
+    try:
+        on_both_hosts(d, cluster, "LearnerWorker")
+        d.wait_steps(2)
+        b.power_off()
+        rc, _, err = d.finish(timeout=300)
+    finally:
+        with shared_processes():  # the cluster's node, stopped with it
+            cluster.power_on(b, num_cpus=2)
     assert rc == 0, err[-3000:]
-    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
-    assert [r["step"] for r in two] == [r["step"] for r in one] and len(two) >= 3
-    for a, b in zip(one, two, strict=True):
-        for key in ("train/loss", "eval/loss"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    assert f"host {b.ip} was lost (Ray node " in err and "; restart 1 of 1, resuming from " in err, err[
+        -3000:
+    ]
+    shrunk = "--train.elastic: 1 node(s) left: --model.num_nodes 2 -> 1 (2 -> 1 ranks, data-parallel 2 -> 1)"
+    assert shrunk in err, err[-3000:]
+    one, logged = rows(tmp_path / "one"), rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["train/loss"] > 0 for r in logged)
+    for x, y in zip(one[:2], logged[:2], strict=True):  # both hosts' steps: one host's losses
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5), x["step"]
+    went_on_with = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert went_on_with["model"]["num_nodes"] == 1 and went_on_with["train"]["elastic"]
 
 
 PPO_STEPS = 6
@@ -141,55 +169,6 @@ def test_ppo_across_hosts_killed_at_the_driver_ends_as_an_uninterrupted_run(
     assert rc == 0, err[-3000:]
     assert training_metrics(run_dir) == training_metrics(tmp_path / "whole")
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
-
-
-def test_an_elastic_run_that_loses_a_host_goes_on_on_the_host_left(
-    two_host_ray, demo_model_dir, tmp_path, shared_processes
-):
-    """``rlhf sft --train.elastic`` on two fsdp2 ranks, one on each host, checkpointed every step: host B is
-    lost after step 2, and the same driver goes on on host A alone, at data-parallel size 1 (the batch
-    kept by twice the accumulation), from the checkpoint both ranks wrote, to the last step. Host B is
-    brought back for the tests after this one."""
-    cluster = two_host_ray
-    a, b = cluster.hosts
-    data = task.write_data("sft", tmp_path / "sft.jsonl", seed=0)
-    flags = [
-        *("--model.pretrain", str(demo_model_dir), "--data.path", str(data), "--data.apply_chat_template"),
-        *("--train.batch_size", "12", "--train.micro_batch_size", "6", "--train.num_steps", "5"),
-        *(
-            "--model.num_nodes",
-            "2",
-            "--learner.backend",
-            "fsdp2",
-            "--ckpt.save_steps",
-            "1",
-            "--eval.every",
-            "0",
-        ),
-        *("--train.elastic", "--train.max_restarts", "1", "--train.seed", "3", *ACROSS, *QUIET),
-    ]
-    run_dir = tmp_path / "run"
-    d = Driver("sft", flags, cluster.address, run_dir, env=cluster.env, host=a)
-    try:
-        on_both_hosts(d, cluster, "LearnerWorker")
-        d.wait_steps(2)
-        b.power_off()
-        rc, _, err = d.finish(timeout=300)
-    finally:
-        with shared_processes():  # the cluster's node, stopped with it
-            cluster.power_on(b, num_cpus=2)
-    assert rc == 0, err[-3000:]
-    assert f"host {b.ip} was lost (Ray node " in err and "; restart 1 of 1, resuming from " in err, err[
-        -3000:
-    ]
-    assert (
-        "--train.elastic: 1 node(s) left: --model.num_nodes 2 -> 1 (2 -> 1 ranks, data-parallel 2 -> 1)"
-        in err
-    ), err[-3000:]
-    logged = rows(run_dir)
-    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["train/loss"] > 0 for r in logged)
-    went_on_with = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert went_on_with["model"]["num_nodes"] == 1 and went_on_with["train"]["elastic"]
 
 
 def test_losing_a_host_ends_the_run_naming_the_host_and_what_ran_there(two_host_ray, ppo_flags, tmp_path):
