@@ -143,6 +143,35 @@ def test_images_for_a_text_only_model_are_refused_naming_the_row(tmp_path, demo_
     )
 
 
+def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(tmp_path, vlm_dir):
+    """fsdp2 over two data-parallel ranks: a rank whose micro-batch had no image would skip the vision
+    tower's gathers the other waits in; on one rank the same data is taken."""
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.prompts import load_prompts
+    from transformers import AutoTokenizer
+
+    (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
+    rows = [{"input": "hi", "label": 1}, {"input": "<image>?", "label": 1, "images": "ok.png"}]
+    data = _write(tmp_path / "p.jsonl", rows)
+    base = ["--actor.pretrain", str(vlm_dir), "--data.path", str(data), "--reward.func", "r.py"]
+    tok = AutoTokenizer.from_pretrained(vlm_dir)
+    train, _ = load_prompts(build_config(PPOConfig, base), tok, vlm_dir)
+    assert [len(p.images) if hasattr(p, "images") else 0 for p in train.token_ids] == [0, 1]
+    sharded = [
+        "--learner.backend",
+        "fsdp2",
+        "--actor.num_devices_per_node",
+        "2",
+        "--train.micro_batch_size",
+        "1",
+    ]
+    with pytest.raises(ValueError) as caught:
+        load_prompts(build_config(PPOConfig, [*base, *sharded]), tok, vlm_dir)
+    assert str(caught.value).startswith(
+        f"{data}: 1 of 2 rows have images; with the parameters sharded over 2"
+    )
+
+
 def _sequences(encoder):
     """Three sequences of different lengths and image sizes; the last response holds a placeholder token."""
     from rlhf_cli.demo import shapes
@@ -160,7 +189,8 @@ def _sequences(encoder):
 
 def test_image_rows_are_padded_and_each_keeps_its_own_log_probs(encoder, actor):
     """Packing asked for: image rows are padded anyway, one sequence each, and give each sequence the
-    log-probs it has alone (its M-RoPE positions are its own); a sampled placeholder token is text."""
+    log-probs it has alone (its M-RoPE positions are its own); a sampled placeholder token is text. Text
+    rows on the same model are packed, each sequence attending to itself only."""
     from rlhf_cli.data.batches import to_rows
 
     seqs = _sequences(encoder)
@@ -174,6 +204,17 @@ def test_image_rows_are_padded_and_each_keeps_its_own_log_probs(encoder, actor):
             one = to_rows([{"input_ids": ids}], packing=False, images=[images]).tensors
             alone = actor(one["input_ids"], **{k: v for k, v in one.items() if k != "input_ids"}).logp[0]
             torch.testing.assert_close(lp, alone, atol=1e-5, rtol=0)
+    texts = [torch.tensor([3, 40, 41, 42, 43]), torch.tensor([3, 50, 51])]  # text rows on the same model
+    packed = to_rows([{"input_ids": ids} for ids in texts], packing=True)
+    assert "position_ids" in packed.tensors and packed.tensors["input_ids"].shape[0] == 1
+    with torch.no_grad():
+        together = packed.split(
+            actor(packed.tensors["input_ids"], position_ids=packed.tensors["position_ids"]).logp
+        )
+        for ids, lp in zip(texts, together, strict=True):  # packed, each sequence sees only itself
+            torch.testing.assert_close(
+                lp, actor(ids[None], attention_mask=torch.ones_like(ids)[None]).logp[0]
+            )
 
 
 def test_the_transformers_engine_samples_the_learners_log_probs_over_turns_that_show_images(

@@ -79,8 +79,8 @@ from PIL import Image
 from rlhf_rollout import StepResult
 
 class LookAgain:
-    """Answers the first turn with another picture of the same colour; rewards long answers (a signal an
-    untrained model's samples differ in)."""
+    """Answers the first turn with a picture of the same colour, its shade set by the answer (each episode
+    sees its own image); rewards long answers (a signal an untrained model's samples differ in)."""
 
     async def reset(self, *, prompt, label):
         self.label, self.turn = label, 0
@@ -88,7 +88,8 @@ class LookAgain:
     async def step(self, *, action):
         self.turn += 1
         if self.turn == 1:
-            picture = Image.new("RGB", (56, 84), {COLOURS}[self.label])
+            red, green, blue = {COLOURS}[self.label]
+            picture = Image.new("RGB", (56, 84), (red, green, (blue + 37 * len(action)) % 256))
             return StepResult(feedback="<image>again?", reward=0.0, done=False, images=(picture,),
                               extra_logs={{"images_shown": 1.0}})
         return StepResult(feedback="", reward=len(action) / 10, done=True)

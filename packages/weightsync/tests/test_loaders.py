@@ -92,3 +92,13 @@ def test_a_corrupted_piece_never_reaches_the_target(transport, pair, run_in_thre
     receiver.receive(copy_into(target))
     thread.join()
     assert all(torch.equal(target[n], t) for n, t in new)
+
+
+def test_a_strict_load_may_leave_out_only_the_tensors_it_calls_optional():
+    """A frozen vision tower is not sent: its tensors are optional; any other missing one is refused."""
+    target = {"lm.w": torch.zeros(2), "visual.w": torch.ones(3)}
+    load = copy_into(target, optional=lambda name: name.startswith("visual."))
+    load([("lm.w", torch.full((2,), 5.0))])
+    assert target["lm.w"].tolist() == [5.0, 5.0] and target["visual.w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"did not contain 1 of the target's tensors, e.g. \['lm.w'\]"):
+        load([("visual.w", torch.zeros(3))])

@@ -51,9 +51,10 @@ class LoraOptions:
             raise ValueError(f"lora dropout: expected a value in [0, 1), got {self.dropout}")
 
 
-def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
+def apply_lora(model: nn.Module, options: LoraOptions, *, exclude: str | None = None) -> nn.Module:
     """A peft model whose only trainable parameters are the adapters. With ``options.load_in_4bit``
-    ``model`` must be a 4-bit base (``load_causal_lm(path, lora=options)`` or :func:`load_qlora_base`)."""
+    ``model`` must be a 4-bit base (``load_causal_lm(path, lora=options)`` or :func:`load_qlora_base`).
+    ``exclude``: a regular expression of module names to leave without adapters (a frozen vision tower)."""
     from peft import LoraConfig, get_peft_model
 
     if options.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
@@ -72,6 +73,7 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
         lora_dropout=options.dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",
+        exclude_modules=exclude,
     )
     return get_peft_model(model, config)
 

@@ -213,7 +213,10 @@ class TransformersEngine:
         if not pictured:
             return {}
         if self.image_processor is None:
-            raise ValueError("a prompt has images, but this engine's model is text-only (no image processor)")
+            raise ValueError(
+                "a prompt has images, but this engine has no image processor (a text-only model, or a module "
+                "given without image_processor=)"
+            )
         out = self.image_processor(
             images=[i for p in pictured for i in prompt_images(p)], return_tensors="pt"
         )

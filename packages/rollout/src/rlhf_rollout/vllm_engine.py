@@ -85,11 +85,11 @@ class VLLMOptions:
         if overlap:
             raise ValueError(f"engine_kwargs repeats typed options {sorted(overlap)}; pass them by name")
         kwargs.update(engine_kwargs or {})
-        if self._on_cpu and "enable_chunked_prefill" not in kwargs:
+        if self._on_cpu and max_model_len is not None and "enable_chunked_prefill" not in kwargs:
             # vLLM-CPU fails a seeded request that a step prefills in part (it rewinds a CUDA generator's
             # offset, which a CPU generator has not): each prompt is prefilled in one step instead.
             kwargs["enable_chunked_prefill"] = False
-            kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
+            kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         config = self._start(kwargs)
         self._max_model_len = int(config.max_model_len)
         self._multimodal = bool(getattr(config, "is_multimodal_model", False))

@@ -10,7 +10,10 @@ __all__ = ["copy_into"]
 
 
 def copy_into(
-    target: torch.nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True
+    target: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    optional: Callable[[str], bool] | None = None,
 ) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
     """A load callback that copies each received tensor into ``target``'s tensor of the same name.
 
@@ -19,10 +22,11 @@ def copy_into(
     device. With ``strict``, an unknown name or a shape mismatch raises ValueError naming the tensor,
     and so does a sync that leaves some of ``target``'s names unset. Tensors split across buckets
     are written piece by piece, each piece once verified, straight into the target tensor where it
-    has the wire dtype and is contiguous (see :class:`_CopyInto`).
+    has the wire dtype and is contiguous (see :class:`_CopyInto`). ``optional(name)``: a target tensor a
+    strict sync may leave unset (e.g. a frozen part the sender does not send).
     """
     tensors = dict(target.state_dict(keep_vars=True)) if isinstance(target, torch.nn.Module) else dict(target)
-    return _CopyInto(tensors, strict=strict)
+    return _CopyInto(tensors, strict=strict, optional=optional)
 
 
 class _CopyInto:
@@ -34,8 +38,10 @@ class _CopyInto:
     again. Without it such tensors are assembled in a scratch buffer first: one more copy of them.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, strict: bool) -> None:
-        self.tensors, self.strict = tensors, strict
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], *, strict: bool, optional: Callable[[str], bool] | None = None
+    ) -> None:
+        self.tensors, self.strict, self.optional = tensors, strict, optional
 
     def target_for(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
@@ -57,7 +63,8 @@ class _CopyInto:
                     dst.copy_(tensor)
                 seen.add(name)
         if self.strict and len(seen) < len(tensors):
-            missing = sorted(set(tensors) - seen)
-            raise ValueError(
-                f"the sync did not contain {len(missing)} of the target's tensors, e.g. {missing[:3]}"
-            )
+            missing = sorted(n for n in set(tensors) - seen if self.optional is None or not self.optional(n))
+            if missing:
+                raise ValueError(
+                    f"the sync did not contain {len(missing)} of the target's tensors, e.g. {missing[:3]}"
+                )

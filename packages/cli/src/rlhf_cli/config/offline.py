@@ -62,7 +62,7 @@ class ExampleData(Section):
     """A JSONL file or a local datasets folder; unset: the built-in task's examples."""
     input_key: str = "prompt"
     """Field holding the prompt (text, or chat messages), as in rlhf ppo (old name: --data.prompt_key)."""
-    image_key: str = "images"
+    image_key: str | None = "images"
     """Field holding a row's images (sft and dpo on a vision-language model), as in rlhf ppo."""
     apply_chat_template: bool = False
     """Render text prompts with the tokenizer's chat template."""

@@ -197,10 +197,10 @@ class DataConfig(Section):
     """Field holding the prompt text (or a chat message list)."""
     label_key: str | None = "label"
     """Field holding the label the reward sees (None: no label)."""
-    image_key: str = "images"
+    image_key: str | None = "images"
     """Field holding a row's images (vision-language models): one or a list of paths relative to the data
     file, base64 data URIs, or a datasets Image feature; each fills a '<image>' in the text, or a
-    {"type": "image"} part of a message. Rows without it are text."""
+    {"type": "image"} part of a message. Rows without it are text; none (null): no row has images."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template."""
     input_template: str | None = None

@@ -20,6 +20,7 @@ __all__ = [
     "ImageEncoder",
     "ImageInputs",
     "ImageSequence",
+    "check_sharded_mix",
     "count_placeholders",
     "image_encoder",
     "row_images",
@@ -71,6 +72,21 @@ def split_sequences(
     """The token ids of sequences to score, and each one's images (None for a text sequence)."""
     ids = [s.token_ids if isinstance(s, ImageSequence) else s for s in sequences]
     return ids, [s.images if isinstance(s, ImageSequence) else None for s in sequences]
+
+
+def check_sharded_mix(
+    pictured: int, total: int, *, backend: str, zero_stage: int, ranks: int, what: str
+) -> None:
+    """Refuse, in one line, data that mixes rows with and without images when the model's parameters are
+    sharded over several data-parallel ranks (fsdp2, ZeRO-3): a rank whose micro-batch has no image would
+    skip the vision tower's parameter gathers that the others wait in."""
+    sharded = backend == "fsdp2" or zero_stage == 3
+    if sharded and ranks > 1 and 0 < pictured < total:
+        raise ValueError(
+            f"{what}: {pictured} of {total} rows have images; with the parameters sharded over {ranks} "
+            f"data-parallel ranks ({backend}, zero_stage {zero_stage}) every row needs one (or none may have one), "
+            "or train on one rank or with zero_stage 2 (deepspeed)"
+        )
 
 
 def row_images(row: dict, key: str, *, base: Path, where: str) -> tuple[Any, ...]:
@@ -251,11 +267,9 @@ class ImageEncoder:
         ids = torch.tensor(full if eos in full[len(p) :] else [*full, eos], dtype=torch.long)
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[1 if train_on_prompt else len(p) :] = True
-        return {
-            "token_ids": ids,
-            "loss_mask": mask,
-            "images": self.inputs(images, ids, torch.zeros_like(mask)),
-        }
+        inputs = self.inputs(images, ids, torch.zeros_like(mask))
+        mask[inputs.positions] = False  # an image's tokens are input, never a target
+        return {"token_ids": ids, "loss_mask": mask, "images": inputs}
 
     def feedback(self, text: str, images: Sequence[Any], ended_with_eos: bool) -> ImagePrompt:
         """An environment's feedback showing ``images`` (one per ``<image>`` in ``text``) as a user turn and

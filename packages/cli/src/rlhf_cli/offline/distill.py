@@ -141,9 +141,15 @@ class DistillObjective:
 
 def _loader(cfg: DistillConfig) -> Callable[[Path, Any, str], list]:
     """How ``--data.path`` / ``--eval.path`` are read (by the run, and by ``--dry-run``)."""
-    return lambda path, tokenizer, flag, encoder=None: load_sft(
-        path, tokenizer, cfg.data, flag=flag, encoder=encoder
-    )
+
+    def load(path: Path, tokenizer: Any, flag: str, encoder: Any = None) -> list:
+        if encoder is not None:
+            raise ValueError(
+                "rlhf distill: not for vision-language models yet (rlhf sft, dpo and ppo take images)"
+            )
+        return load_sft(path, tokenizer, cfg.data, flag=flag)
+
+    return load
 
 
 def _student_vocab(groups: Groups) -> int | None:

@@ -51,7 +51,7 @@ class SFTObjective:
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
         """Token-mean NLL of the evaluation responses (the training loss's definition)."""
         logp = self.groups.model.forward(
-            [e.token_ids for e in examples], micro_batch_size=self.cfg.train.micro_batch_size, packing=True
+            [e.scored for e in examples], micro_batch_size=self.cfg.train.micro_batch_size, packing=True
         )
         nll = sum(float(-(lp * e.loss_mask).sum()) for lp, e in zip(logp, examples, strict=True))
         return {"eval/loss": nll / max(1, sum(int(e.loss_mask.sum()) for e in examples))}

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from rlhf_cli.config import OfflineConfig
+from rlhf_cli.config.run import data_parallel_size
 from rlhf_cli.data.examples import ExampleSet, split_heldout
-from rlhf_cli.data.images import image_encoder
+from rlhf_cli.data.images import check_sharded_mix, image_encoder
 from rlhf_cli.data.prompts import PromptCursor
 from rlhf_cli.demo import task
 from rlhf_cli.runtime.learners.group import LearnerGroup, launch_groups
@@ -180,6 +181,11 @@ def load_examples(
             builtin, Path(cfg.logger.run_dir) / "data" / f"{builtin}.jsonl", seed=cfg.train.seed
         )
     items = load(Path(path), "--data.path")
+    seqs = [s for x in items for s in getattr(x, "sequences", (x,))]
+    pictured = sum(getattr(s, "images", None) is not None for s in seqs)
+    ranks = data_parallel_size(cfg.model.world_size, cfg.learner)
+    mix = dict(backend=cfg.learner.backend, zero_stage=cfg.learner.zero_stage, ranks=ranks)
+    check_sharded_mix(pictured, len(seqs), **mix, what=str(path))
     if cfg.eval.path is not None:
         evals = load(Path(cfg.eval.path), "--eval.path")
     else:

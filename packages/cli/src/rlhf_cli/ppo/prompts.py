@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.config import PPOConfig
-from rlhf_cli.data.images import image_encoder
+from rlhf_cli.config.run import data_parallel_size
+from rlhf_cli.data.images import check_sharded_mix, image_encoder
 from rlhf_cli.data.prompts import PromptSet, load_records, with_template
 from rlhf_cli.demo import task
 
@@ -22,6 +23,9 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[Promp
     train, evals, source = _records(cfg, takes_images=encoder is not None)
     if any(r.images for r in [*train, *(evals or [])]):
         _check_image_run(cfg, source)
+        ranks = data_parallel_size(cfg.actor.world_size, cfg.learner)
+        mix = dict(backend=cfg.learner.backend, zero_stage=cfg.learner.zero_stage, ranks=ranks)
+        check_sharded_mix(sum(bool(r.images) for r in train), len(train), **mix, what=source)
     template = cfg.data.input_template
     train = with_template(train, template, source=source)
     evals = with_template(evals, template, source="evaluation prompts") if evals else evals
@@ -78,6 +82,11 @@ def _check_image_run(cfg: PPOConfig, source: str) -> None:
         raise ValueError(
             f"{source}: prompts with images, but the critic (--algo.advantage.estimator "
             f"{cfg.algo.advantage.estimator}) reads text only; use an estimator without a critic (e.g. group_norm)"
+        )
+    if cfg.learner.sequence_parallel_size > 1:
+        raise ValueError(
+            f"{source}: prompts with images, but --learner.sequence_parallel_size "
+            f"{cfg.learner.sequence_parallel_size} splits rows, which image rows are not"
         )
     if cfg.reward.pretrain is not None:
         raise ValueError(

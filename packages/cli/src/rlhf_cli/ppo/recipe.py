@@ -67,7 +67,7 @@ def plan(cfg: PPOConfig) -> Plan:
 def _check_inputs(cfg: PPOConfig) -> list[str]:
     """Read the prompts and load the user's code as ``run`` does (nothing starts); what was read."""
     with tempfile.TemporaryDirectory() as tmp:  # the demo model, when no --actor.pretrain is given
-        model_dir = resolve_model(cfg.actor.pretrain, Path(tmp))
+        model_dir = resolve_model(cfg.actor.pretrain, Path(tmp), cfg.train.demo_model)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         train_set, eval_set = load_prompts(cfg, tokenizer, model_dir)  # says what it skipped
         executor_factory(cfg, tokenizer=tokenizer, encoder=train_set.encoder).close()

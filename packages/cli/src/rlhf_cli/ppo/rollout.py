@@ -145,15 +145,16 @@ class RolloutStage:
             )
 
     def _samples(self, trajs: list[Trajectory], version: int) -> list[Sample]:
-        """The batch's samples; a prompt's images are made pixels once for its ``n`` samples."""
+        """The batch's samples; the same images (a prompt's, for its ``n`` samples) are made pixels once."""
         n, pixels, encoder = self.settings.sampling.n, {}, self.prompts.encoder
         out = []
         for i, t in enumerate(trajs):
             sample = self._sample(t, i // n, version)
             if t.images and encoder is not None:
-                if i // n not in pixels:
-                    pixels[i // n] = encoder.pixels(t.images)
-                sample.images = encoder.inputs(t.images, sample.token_ids, sample.action_mask, pixels[i // n])
+                key = tuple(id(image) for image in t.images)  # an episode's own images differ
+                if key not in pixels:
+                    pixels[key] = encoder.pixels(t.images)
+                sample.images = encoder.inputs(t.images, sample.token_ids, sample.action_mask, pixels[key])
             out.append(sample)
         return out
 

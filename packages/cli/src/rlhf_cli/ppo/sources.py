@@ -32,6 +32,7 @@ from rlhf_rollout import (
     reworded,
 )
 from rlhf_rollout.executors.base import agenerate, check_prompt_lengths, engine_max_model_len
+from rlhf_rollout.images import prompt_images
 from rlhf_rollout.rewards import check_call, import_python_file
 from rlhf_rollout.types import Generation
 
@@ -289,6 +290,11 @@ class _OpenAIAgentRollout(AgentExecutorBase):
     async def arun(
         self, prompts: Sequence[Sequence[int]], *, labels: Sequence[Any] | None = None
     ) -> list[Trajectory]:
+        if any(prompt_images(p) for p in prompts):
+            raise ValueError(
+                f"--train.agent_func_path {str(self.path)!r}: an OpenAI-API agent gets its prompt as text; "
+                "these prompts have images (use a multi-turn environment, make_env, for images)"
+            )
         limit = await asyncio.to_thread(engine_max_model_len, self.engine)
         self.server.engine = _RunSampling(self.engine, self.params, limit=limit)
         decode = self.server.tokenizer.decode

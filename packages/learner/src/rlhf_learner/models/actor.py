@@ -20,7 +20,7 @@ from rlhf_learner.models.loading import (
     zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
-from rlhf_learner.models.vision import freeze_vision_tower, is_vision_language
+from rlhf_learner.models.vision import FROZEN_TOWER_MODULES, freeze_vision_tower, is_vision_language
 from rlhf_learner.packing import for_kernel
 
 if TYPE_CHECKING:
@@ -71,6 +71,19 @@ def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor |
     if starts is not None:
         out = out.masked_fill((starts.to(out.device) == 0).unsqueeze(-1), 0.0)
     return out
+
+
+def _layout(
+    config: Any, input_ids: torch.Tensor, packed: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]:
+    """Rows as the attention kernel takes them: ``(ids, positions, the positions the model is given, how
+    to put per-token outputs back)``. A vision-language model reads packed text rows from text positions
+    put before its three M-RoPE rows (else its mask would cross the packed sequences)."""
+    if packed is None:
+        return input_ids, position_ids, position_ids, _same
+    ids, pos, back = for_kernel(input_ids, packed, attn_implementation=attn_implementation(config))
+    model_pos = torch.cat([pos[None], pos[None].expand(3, *pos.shape)]) if is_vision_language(config) else pos
+    return ids, pos, model_pos, back
 
 
 def _image_inputs(
@@ -149,7 +162,8 @@ def load_causal_lm(
     if lora is not None:
         from rlhf_learner.lora import apply_lora
 
-        model = apply_lora(model, lora)
+        frozen_tower = vision and options.freeze_vision_tower
+        model = apply_lora(model, lora, exclude=FROZEN_TOWER_MODULES if frozen_tower else None)
     compile_model(model, options)
     return model
 
@@ -233,15 +247,11 @@ class Actor(nn.Module):
                     "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
                 )
             kwargs["output_router_logits"] = True
-        ids, pos, back = (input_ids, position_ids, _same)
-        if packed is not None:
-            ids, pos, back = for_kernel(
-                input_ids, packed, attn_implementation=attn_implementation(self.config)
-            )
+        ids, pos, model_pos, back = _layout(self.config, input_ids, packed, position_ids)
         out = self.model(
             input_ids=model_ids if images else ids,
             attention_mask=attention_mask,
-            position_ids=pos,
+            position_ids=model_pos,
             use_cache=False,
             **kwargs,
         )

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "FROZEN_TOWER_MODULES",
     "VISION_LANGUAGE_TYPES",
     "check_vision_language",
     "freeze_vision_tower",
@@ -15,15 +16,20 @@ __all__ = [
     "trained_parameters",
 ]
 
-VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
 """``model_type`` s whose image inputs (``pixel_values``, ``image_grid_thw``) and M-RoPE positions the
-learner handles, and which vLLM serves."""
+learner handles, and which vLLM serves. (Qwen3-VL is not among them yet: its forward takes token ids or
+embeddings, not both, which a placeholder token the policy sampled needs here.)"""
+
+FROZEN_TOWER_MODULES = r".*\.visual\.(?!merger).*"
+"""Module names of the vision tower but its projector (the patch merger): no LoRA adapters there while it
+is frozen."""
 
 
 def is_vision_language(config: dict[str, Any] | Any) -> bool:
     """A config (``config.json`` as a dict, or a transformers config) with a vision tower."""
     if isinstance(config, dict):
-        return "vision_config" in config
+        return config.get("vision_config") is not None
     return getattr(config, "vision_config", None) is not None
 
 

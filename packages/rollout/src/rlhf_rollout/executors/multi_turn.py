@@ -221,7 +221,7 @@ class MultiTurnExecutor(AgentExecutorBase):
             return
         ended = bool(e.last_action) and e.last_action[-1] == eos
         feedback = self._feedback(e, res, ended)
-        if len(e.tokens) + len(feedback) >= limit:
+        if len(e.tokens) + len(feedback) >= limit or e.pictures.ambiguous(e.tokens, feedback):
             e.finished, e.truncated = True, True
             return
         e.pictures.add(feedback)
@@ -275,6 +275,13 @@ class _Pictures:
         self.mask += tokens.image_mask()
         self.image_token_id = tokens.image_token_id
         return None
+
+    def ambiguous(self, tokens: list[int], feedback: list[int]) -> bool:
+        """Whether the policy sampled an image placeholder token into a context that holds images (or is
+        about to): an engine that places images by their placeholder tokens would take it for one, so the
+        episode ends there instead."""
+        pad = feedback.image_token_id if isinstance(feedback, ImagePrompt) else self.image_token_id
+        return pad is not None and any(t == pad and not m for t, m in zip(tokens, self.mask, strict=True))
 
     def prompt(self, tokens: list[int]) -> list[int]:
         """The context as the engine takes it: the ids, with the images when there are some."""

@@ -16,7 +16,7 @@ from rlhf_rollout.executors.base import (
     check_prompt_lengths,
     engine_max_model_len,
 )
-from rlhf_rollout.images import prompt_images
+from rlhf_rollout.images import ImagePrompt, prompt_images
 from rlhf_rollout.rewards import RewardResult, RewardSource
 from rlhf_rollout.types import Generation, SamplingParams
 
@@ -67,7 +67,8 @@ class SingleTurnExecutor(AgentExecutorBase):
         chunk_params = params
         if params.seed is not None:  # same per-sample seeds whatever the chunking (vLLM)
             chunk_params = replace(params, seed=params.seed + lo * params.n)
-        gens = await agenerate(self.engine, list(prompts[lo:hi]), chunk_params)
+        rows = [p if isinstance(p, ImagePrompt) else list(p) for p in prompts[lo:hi]]
+        gens = await agenerate(self.engine, rows, chunk_params)
         flat: list[tuple[int, int, Generation]] = [
             (lo + i, j, g) for i, per_prompt in enumerate(gens) for j, g in enumerate(per_prompt)
         ]
@@ -96,12 +97,13 @@ class SingleTurnExecutor(AgentExecutorBase):
         prompt_texts = {i: decode(list(prompts[i]), skip_special_tokens=skip) for i, _, _ in flat}
         queries = [prompt_texts[i] + decode(list(g.token_ids), skip_special_tokens=skip) for i, _, g in flat]
         images = [prompt_images(prompts[i]) for i, _, _ in flat]
+        pictured = {"images": images} if any(images) else {}  # a text batch: the call as before images
         try:
             return await self.reward.ascore(
                 queries=queries,
                 prompts=[prompt_texts[i] for i, _, _ in flat],
                 labels=[labels[i] for i, _, _ in flat],
-                images=images if any(images) else None,
+                **pictured,
             )
         except ValueError as err:
             first = flat[0][0] if flat else 0

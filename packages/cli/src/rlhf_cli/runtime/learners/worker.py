@@ -155,6 +155,11 @@ class LearnerWorker:
             )
             t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
             kw = {k: v for k, v in t.items() if k != "input_ids"}
+            if "pixel_values" in kw and role not in ("actor", "ref"):
+                raise ValueError(
+                    f"the {role} reads text only, but these sequences hold images (an environment showed "
+                    "them); use an estimator without a critic and a reward function"
+                )
             if role in ("actor", "ref"):
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw).logp)]
             elif role == "critic":
