@@ -147,7 +147,7 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     """fsdp2 over two data-parallel ranks: a rank whose micro-batch had no image would skip the vision
     tower's gathers the other waits in; on one rank the same data is taken."""
     from rlhf_cli.config import PPOConfig, build_config
-    from rlhf_cli.ppo.prompts import load_prompts
+    from rlhf_cli.ppo.prompts import PADDED_IMAGE_ROWS, load_prompts, skipped_notes
     from transformers import AutoTokenizer
 
     (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
@@ -155,8 +155,10 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     data = _write(tmp_path / "p.jsonl", rows)
     base = ["--actor.pretrain", str(vlm_dir), "--data.path", str(data), "--reward.func", "r.py"]
     tok = AutoTokenizer.from_pretrained(vlm_dir)
-    train, _ = load_prompts(build_config(PPOConfig, base), tok, vlm_dir)
+    cfg = build_config(PPOConfig, base)
+    train, _ = load_prompts(cfg, tok, vlm_dir)
     assert [len(p.images) if hasattr(p, "images") else 0 for p in train.token_ids] == [0, 1]
+    assert PADDED_IMAGE_ROWS in skipped_notes(cfg, train, None)  # said at start-up and in the summary
     sharded = [
         "--learner.backend",
         "fsdp2",
