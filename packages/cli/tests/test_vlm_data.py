@@ -170,7 +170,7 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     with pytest.raises(ValueError) as caught:
         load_prompts(build_config(PPOConfig, [*base, *sharded]), tok, vlm_dir)
     assert str(caught.value).startswith(
-        f"{data}: 1 of 2 rows have images; with the parameters sharded over 2"
+        f"{data}: 1 of 2 rows have images; with parameters gathered in each forward over 2"
     )
 
 

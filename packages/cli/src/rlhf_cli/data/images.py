@@ -74,18 +74,19 @@ def split_sequences(
     return ids, [s.images if isinstance(s, ImageSequence) else None for s in sequences]
 
 
-def check_sharded_mix(
-    pictured: int, total: int, *, backend: str, zero_stage: int, ranks: int, what: str
-) -> None:
-    """Refuse, in one line, data that mixes rows with and without images when the model's parameters are
-    sharded over several data-parallel ranks (fsdp2, ZeRO-3): a rank whose micro-batch has no image would
-    skip the vision tower's parameter gathers that the others wait in."""
-    sharded = backend == "fsdp2" or zero_stage == 3
-    if sharded and ranks > 1 and 0 < pictured < total:
+def check_sharded_mix(pictured: int, total: int, *, learner: Any, ranks: int, what: str) -> None:
+    """Refuse, in one line, data that mixes rows with and without images when each forward gathers the
+    model's parameters over several data-parallel ranks (``learner``: the group's ``StrategyOptions``; e.g.
+    fsdp2, ZeRO-3): a rank whose micro-batch has no image would skip the vision tower's gathers that the
+    others wait in."""
+    from rlhf_learner.strategy import training_backend
+
+    gathers = training_backend(learner.backend).gathers_in_forward(learner)
+    if gathers and ranks > 1 and 0 < pictured < total:
         raise ValueError(
-            f"{what}: {pictured} of {total} rows have images; with the parameters sharded over {ranks} "
-            f"data-parallel ranks ({backend}, zero_stage {zero_stage}) every row needs one (or none may have one), "
-            "or train on one rank or with zero_stage 2 (deepspeed)"
+            f"{what}: {pictured} of {total} rows have images; with parameters gathered in each forward over "
+            f"{ranks} data-parallel ranks ({learner.backend}, zero_stage {learner.zero_stage}) every row needs "
+            "one (or none may have one), or train on one rank or with deepspeed zero_stage 2"
         )
 
 

@@ -184,7 +184,7 @@ def load_examples(
     seqs = [s for x in items for s in getattr(x, "sequences", (x,))]
     pictured = sum(getattr(s, "images", None) is not None for s in seqs)
     ranks = data_parallel_size(cfg.model.world_size, cfg.learner)
-    mix = dict(backend=cfg.learner.backend, zero_stage=cfg.learner.zero_stage, ranks=ranks)
+    mix = dict(learner=cfg.learner, ranks=ranks)
     check_sharded_mix(pictured, len(seqs), **mix, what=str(path))
     if pictured and getattr(cfg.train, "packing", False):
         from rlhf_cli.ppo.prompts import PADDED_IMAGE_ROWS

@@ -29,7 +29,7 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[Promp
     if any(r.images for r in [*train, *(evals or [])]):
         _check_image_run(cfg, source)
         ranks = data_parallel_size(cfg.actor.world_size, cfg.learner)
-        mix = dict(backend=cfg.learner.backend, zero_stage=cfg.learner.zero_stage, ranks=ranks)
+        mix = dict(learner=cfg.learner, ranks=ranks)
         check_sharded_mix(sum(bool(r.images) for r in train), len(train), **mix, what=source)
     template = cfg.data.input_template
     train = with_template(train, template, source=source)

@@ -170,6 +170,10 @@ class FSDP2Strategy(RankedStrategy):
     """``torch.distributed.checkpoint`` loads onto any rank count."""
 
     @classmethod
+    def gathers_in_forward(cls, options: StrategyOptions) -> bool:
+        return True  # every stage keeps parameters sharded at rest: a unit's first forward gathers them
+
+    @classmethod
     def sharding_stage(cls, options: StrategyOptions, *, train: bool) -> int:
         """At its peak: zero_stage 3 keeps everything sharded; a trained model at 0-2 holds whole
         parameters (gathered for the backward) and gradients (accumulated), its optimizer states sharded;

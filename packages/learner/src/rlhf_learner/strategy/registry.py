@@ -56,6 +56,11 @@ class TrainingBackend(Protocol):
         replicas; 1: optimizer states; 2: + gradients; 3: + parameters): what memory plans divide by."""
 
     @classmethod
+    def gathers_in_forward(cls, options: StrategyOptions) -> bool:
+        """Whether a forward gathers each module's parameters collectively (every rank must then run the
+        same modules: a vision tower on one rank's micro-batch only would hang the others)."""
+
+    @classmethod
     def describe(cls, options: StrategyOptions) -> str:
         """A few words for plans and logs, e.g. ``ZeRO-2`` or ``FSDP2 full shard``."""
 

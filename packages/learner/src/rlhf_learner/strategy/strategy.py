@@ -104,6 +104,10 @@ class Strategy(RankedStrategy):
         return options.zero_stage
 
     @classmethod
+    def gathers_in_forward(cls, options: StrategyOptions) -> bool:
+        return options.zero_stage == 3  # ZeRO-3 fetches each module's partitioned parameters
+
+    @classmethod
     def describe(cls, options: StrategyOptions) -> str:
         return f"ZeRO-{options.zero_stage}"
 
