@@ -8,6 +8,9 @@
    number of micro-batches). Tokens/s counts real tokens only.
 2. The same packed batch on 2 gloo ranks with ZeRO-3 vs one process with ZeRO-0: same global batch
    and optimizer steps (so ZeRO-3 uses 2 cores, ZeRO-0 one).
+3. A vision-language model (Qwen2-VL, the same language model's shape, a 2-block vision tower): 64
+   image sequences (one image each, 4 to 144 image tokens; responses skewed like the text batch) as
+   rlhf's recipes lay them out, padded (``--train.packing false``) vs packed, SFT steps as in 1.
 Every process runs torch on 1 thread: on a shared 2-core machine, 2-thread runs were dominated by
 contention with other jobs (step times varied 5x).
 Prints medians over ``--repeats`` timed steps (after one warm-up step). CPU timings on a shared
@@ -121,6 +124,59 @@ def engine_for(model_dir, stage, gas):
     return s.prepare(Actor(load_causal_lm(model_dir, ds_config=s.ds_config())))
 
 
+def build_vlm(path: Path) -> Path:
+    """The demo's tiny Qwen2-VL, its language model widened to :func:`build_model`'s shape, and a processor
+    that takes images up to 336x336 pixels (144 tokens)."""
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+    from transformers import AutoConfig, AutoProcessor, Qwen2VLForConditionalGeneration
+
+    build_tiny_vlm(path)
+    cfg = AutoConfig.from_pretrained(path)
+    text = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4)
+    for k, v in (text | dict(num_key_value_heads=2, layer_types=["full_attention"] * 4)).items():
+        setattr(cfg.text_config, k, v)
+    cfg.vision_config.hidden_size = 256  # the projector's output: the language model's width
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(cfg).save_pretrained(path)
+    processor = AutoProcessor.from_pretrained(path)
+    processor.image_processor.max_pixels = 336 * 336
+    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 336 * 336}
+    processor.save_pretrained(path)
+    return path
+
+
+def vlm_micro_batches(model_dir: Path) -> tuple[list[dict], list[dict], int]:
+    """``(padded, packed, real tokens)``: the image sequences' micro-batches as the recipes build them."""
+    from rlhf_cli.data.batches import to_rows
+    from rlhf_cli.data.images import ImageEncoder
+    from rlhf_cli.demo import shapes
+    from rlhf_learner.packing import balance_micro_batches
+
+    encoder = ImageEncoder.for_model(model_dir)
+    g = torch.Generator().manual_seed(2)
+    seqs, images = [], []
+    for k, (record, n) in enumerate(zip(shapes.records(seed=3, count=SEQS), lengths(), strict=True)):
+        side = 56 + 28 * (k % 11)  # 56..336 pixels: 4..144 image tokens
+        picture = [record.images[0].resize((side, side))]
+        prompt = torch.tensor(list(encoder.prompt(record.prompt, picture)))
+        ids = torch.cat([prompt, torch.randint(3, 400, (n,), generator=g)])
+        mask = torch.cat([torch.zeros_like(prompt, dtype=torch.bool), torch.ones(n, dtype=torch.bool)])
+        seqs.append({"input_ids": ids, "loss_mask": mask})
+        images.append(encoder.inputs(picture, ids, mask))
+    per = len(seqs) // MICRO
+    padded = [
+        to_rows(seqs[i * per : (i + 1) * per], packing=False, images=images[i * per : (i + 1) * per]).tensors
+        for i in range(MICRO)
+    ]
+    groups = balance_micro_batches([len(s["input_ids"]) for s in seqs], MICRO)
+    packed = []
+    for group in groups:
+        t = to_rows([seqs[i] for i in group], packing=True, images=[images[i] for i in group]).tensors
+        t["loss_mask"] = t["loss_mask"] & (t["position_ids"] > 0)
+        packed.append(t)
+    return padded, packed, sum(len(s["input_ids"]) for s in seqs)
+
+
 def worker(args) -> None:
     from rlhf_learner.strategy import init_distributed
 
@@ -228,7 +284,20 @@ def main() -> None:
             f"packed, same global batch: ZeRO-0 1 process x 1 thread {tps_z0:8.0f} tok/s   "
             f"ZeRO-3 2 ranks x 1 thread {tps_z3:8.0f} tok/s   ZeRO-3/ZeRO-0 = {tps_z3 / tps_z0:.2f}x"
         )
+        vlm_padded, vlm_packed, vlm_real = vlm_micro_batches(build_vlm(Path(tmp) / "vlm"))
+        cells = [sum(mb["input_ids"].numel() for mb in mbs) for mbs in (vlm_padded, vlm_packed)]
+        print(
+            f"VLM batch: {vlm_real} real tokens; token slots computed: padded {cells[0]}, packed {cells[1]}"
+        )
+        vlm_engine = engine_for(Path(tmp) / "vlm", 0, MICRO)
+        v_pad, v_pack = timed_steps(vlm_engine, [vlm_padded, vlm_packed], args.repeats)
+        print(
+            f"VLM seconds per step: padded {[round(t, 2) for t in v_pad]}, packed {[round(t, 2) for t in v_pack]}"
+        )
+        vlm_ratio = statistics.median(v_pad) / statistics.median(v_pack)
+        print(f"VLM, 1 process x 1 thread, ZeRO-0: packed/padded = {vlm_ratio:.2f}x tok/s")
         _summary.ratio_row(args.summary, "learner: packed vs padded rows, tok/s", tps_pack / tps_pad, 1.0)
+        _summary.ratio_row(args.summary, "learner: VLM image rows packed vs padded, tok/s", vlm_ratio, 1.0)
         _summary.ratio_row(
             args.summary, "learner: ZeRO-3 on 2 ranks vs ZeRO-0 in 1, tok/s", tps_z3 / tps_z0, 1.0
         )

@@ -147,7 +147,7 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     """fsdp2 over two data-parallel ranks: a rank whose micro-batch had no image would skip the vision
     tower's gathers the other waits in; on one rank the same data is taken."""
     from rlhf_cli.config import PPOConfig, build_config
-    from rlhf_cli.ppo.prompts import PADDED_IMAGE_ROWS, load_prompts, skipped_notes
+    from rlhf_cli.ppo.prompts import load_prompts
     from transformers import AutoTokenizer
 
     (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
@@ -158,7 +158,6 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     cfg = build_config(PPOConfig, base)
     train, _ = load_prompts(cfg, tok, vlm_dir)
     assert [len(p.images) if hasattr(p, "images") else 0 for p in train.token_ids] == [0, 1]
-    assert PADDED_IMAGE_ROWS in skipped_notes(cfg, train, None)  # said at start-up and in the summary
     sharded = [
         "--learner.backend",
         "fsdp2",
@@ -189,23 +188,31 @@ def _sequences(encoder):
     return out
 
 
-def test_image_rows_are_padded_and_each_keeps_its_own_log_probs(encoder, actor):
-    """Packing asked for: image rows are padded anyway, one sequence each, and give each sequence the
-    log-probs it has alone (its M-RoPE positions are its own); a sampled placeholder token is text. Text
-    rows on the same model are packed, each sequence attending to itself only."""
+def test_packed_and_padded_image_rows_give_each_sequence_its_own_log_probs(encoder, actor):
+    """Image rows packed (several sequences in a row, the learner computing each one's M-RoPE positions) and
+    padded (one sequence each) give each sequence the log-probs it has alone; a sampled placeholder token is
+    text. Text rows on the same model are packed too, each sequence attending to itself only."""
     from rlhf_cli.data.batches import to_rows
 
     seqs = _sequences(encoder)
+    text = torch.tensor([3] + [40 + k % 20 for k in range(81)])  # the longest: image rows fit in one
+    seqs = [*seqs, (text, None, None)]
     assert seqs[2][2].positions.numel() == 8  # 112x56 pixels: 8 tokens; the sampled one is not counted
-    rows = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=True, images=[i for _, _, i in seqs])
-    assert "position_ids" not in rows.tensors and rows.tensors["input_ids"].shape[0] == 3
-    t = rows.tensors
+    images = [i for _, _, i in seqs]
+    packed = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=True, images=images)
+    padded = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=False, images=images)
+    assert packed.tensors["input_ids"].shape[0] == 2 and "attention_mask" not in packed.tensors
+    assert padded.tensors["input_ids"].shape[0] == len(seqs) and "position_ids" not in padded.tensors
     with torch.no_grad():
-        together = rows.split(actor(t["input_ids"], **{k: v for k, v in t.items() if k != "input_ids"}).logp)
-        for (ids, _, images), lp in zip(seqs, together, strict=True):
-            one = to_rows([{"input_ids": ids}], packing=False, images=[images]).tensors
-            alone = actor(one["input_ids"], **{k: v for k, v in one.items() if k != "input_ids"}).logp[0]
-            torch.testing.assert_close(lp, alone, atol=1e-5, rtol=0)
+        for rows in (packed, padded):
+            t = rows.tensors
+            together = rows.split(
+                actor(t["input_ids"], **{k: v for k, v in t.items() if k != "input_ids"}).logp
+            )
+            for (ids, _, image), lp in zip(seqs, together, strict=True):
+                one = to_rows([{"input_ids": ids}], packing=False, images=[image] if image else ()).tensors
+                alone = actor(one["input_ids"], **{k: v for k, v in one.items() if k != "input_ids"}).logp[0]
+                torch.testing.assert_close(lp, alone, atol=1e-5, rtol=0)
     texts = [torch.tensor([3, 40, 41, 42, 43]), torch.tensor([3, 50, 51])]  # text rows on the same model
     packed = to_rows([{"input_ids": ids} for ids in texts], packing=True)
     assert "position_ids" in packed.tensors and packed.tensors["input_ids"].shape[0] == 1

@@ -29,7 +29,11 @@ class PackedBatch:
 
 
 def for_kernel(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, *, attn_implementation: str | None
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    attn_implementation: str | None,
+    keep_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """Packed ``[R, L]`` rows laid out for the attention kernel, and how to put the model's per-token
     outputs (``[R', L', ...]``) back as ``[R, L, ...]``.
@@ -39,9 +43,14 @@ def for_kernel(
       no sequence crosses into the next row.
     - sdpa / eager build a block-diagonal mask and compute the whole masked square of each row: rows at
       least twice as wide as their longest sequence are re-packed into rows as wide as it (attention
-      then costs about what padded rows would, with little padding)."""
+      then costs about what padded rows would, with little padding).
+
+    ``keep_order``: the tokens keep their order, row after row (rows with images, whose pixels come in the
+    order of their tokens): sdpa / eager rows are taken as given (pack them no wider than needed)."""
     if "flash" in (attn_implementation or ""):
         return _one_row(input_ids, position_ids)
+    if keep_order:
+        return input_ids, position_ids, _same
     return _narrow_rows(input_ids, position_ids)
 
 

@@ -108,12 +108,11 @@ def to_rows(
 ) -> Rows:
     """``sequences`` (dicts of equal-length 1-D tensors, ``input_ids`` among them) as rows: one packed
     row (``position_ids`` restart per sequence, no padding between them; the learner lays it out for its
-    attention kernel) or right-padded rows. ``images``: each sequence's image pixels (or None); rows with
-    images are right-padded, one sequence each (the model derives M-RoPE positions per row)."""
+    attention kernel) or right-padded rows. ``images``: each sequence's image pixels (or None). Packed
+    rows with images are as wide as the longest sequence (the learner keeps their order: the pixels follow
+    their tokens) and carry ``mm_token_type_ids``; the learner computes each sequence's M-RoPE positions."""
     if any(i is not None for i in images):
-        rows = to_rows(sequences, packing=False)
-        width = rows.tensors["input_ids"].shape[1]
-        return Rows(tensors=rows.tensors | ImageInputs.joined(images, width), placement=rows.placement)
+        return _image_rows(sequences, images, packing=packing)
     if packing:
         total = sum(int(s["input_ids"].shape[0]) for s in sequences)
         packed = pack_sequences(sequences, max_tokens_per_row=total)
@@ -124,6 +123,26 @@ def to_rows(
     return Rows(
         tensors=out, placement=[(i, 0, int(s["input_ids"].shape[0])) for i, s in enumerate(sequences)]
     )
+
+
+def _image_rows(
+    sequences: Sequence[dict[str, torch.Tensor]], images: Sequence[ImageInputs | None], *, packing: bool
+) -> Rows:
+    if not packing:
+        rows = to_rows(sequences, packing=False)
+        width = rows.tensors["input_ids"].shape[1]
+        return Rows(tensors=rows.tensors | ImageInputs.joined(images, width), placement=rows.placement)
+    marked = [
+        s | {"mm_token_type_ids": ImageInputs.kinds(i, len(s["input_ids"]))}
+        for s, i in zip(sequences, images, strict=True)
+    ]
+    longest = max(len(s["input_ids"]) for s in sequences)
+    packed = pack_sequences(marked, max_tokens_per_row=longest)
+    order = sorted(
+        range(len(images)), key=lambda i: packed.placement[i][:2]
+    )  # as the tokens come, row by row
+    pixels = ImageInputs.pixels([images[i] for i in order])
+    return Rows(tensors=packed.tensors | pixels, placement=packed.placement)
 
 
 def pad_stack(values: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:

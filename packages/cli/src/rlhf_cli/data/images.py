@@ -43,19 +43,28 @@ class ImageInputs:
     """Where the images' tokens are in the sequence (a sampled placeholder token is text, not an image)."""
 
     @staticmethod
-    def joined(items: Sequence[ImageInputs | None], width: int) -> dict[str, torch.Tensor]:
-        """The images of padded rows (``width`` tokens), one sequence each: ``pixel_values`` and
-        ``image_grid_thw`` in row order, and ``mm_token_type_ids`` (1 on each row's image tokens)."""
-        kinds = torch.zeros((len(items), width), dtype=torch.int32)
-        for row, item in enumerate(items):
-            if item is not None:
-                kinds[row, item.positions] = 1
+    def kinds(item: ImageInputs | None, length: int) -> torch.Tensor:
+        """``[length]`` ``mm_token_type_ids`` of one sequence: 1 on its images' tokens."""
+        out = torch.zeros(length, dtype=torch.int32)
+        if item is not None:
+            out[item.positions] = 1
+        return out
+
+    @staticmethod
+    def pixels(items: Sequence[ImageInputs | None]) -> dict[str, torch.Tensor]:
+        """``pixel_values`` and ``image_grid_thw`` of sequences' images, in their order."""
         present = [i for i in items if i is not None]
         return {
             "pixel_values": torch.cat([i.pixel_values for i in present]),
             "image_grid_thw": torch.cat([i.image_grid_thw for i in present]),
-            "mm_token_type_ids": kinds,
         }
+
+    @staticmethod
+    def joined(items: Sequence[ImageInputs | None], width: int) -> dict[str, torch.Tensor]:
+        """The images of padded rows (``width`` tokens), one sequence each: :meth:`pixels` in row order, and
+        ``mm_token_type_ids`` (1 on each row's image tokens)."""
+        kinds = torch.stack([ImageInputs.kinds(item, width) for item in items])
+        return ImageInputs.pixels(items) | {"mm_token_type_ids": kinds}
 
 
 @dataclass(frozen=True)

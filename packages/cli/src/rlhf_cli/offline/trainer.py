@@ -186,10 +186,6 @@ def load_examples(
     ranks = data_parallel_size(cfg.model.world_size, cfg.learner)
     mix = dict(learner=cfg.learner, ranks=ranks)
     check_sharded_mix(pictured, len(seqs), **mix, what=str(path))
-    if pictured and getattr(cfg.train, "packing", False):
-        from rlhf_cli.ppo.prompts import PADDED_IMAGE_ROWS
-
-        print(PADDED_IMAGE_ROWS, file=sys.stderr)
     if cfg.eval.path is not None:
         evals = load(Path(cfg.eval.path), "--eval.path")
     else:

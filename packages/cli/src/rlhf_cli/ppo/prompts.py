@@ -11,12 +11,7 @@ from rlhf_cli.data.images import check_sharded_mix, image_encoder
 from rlhf_cli.data.prompts import PromptSet, load_records, with_template
 from rlhf_cli.demo import task
 
-__all__ = ["PADDED_IMAGE_ROWS", "load_prompts", "skipped_notes"]
-
-PADDED_IMAGE_ROWS = (
-    "note: rows with images are padded, one sequence each, not packed (the model derives their M-RoPE "
-    "positions per row); --train.packing packs the text rows"
-)
+__all__ = ["load_prompts", "skipped_notes"]
 
 
 def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[PromptSet, PromptSet | None]:
@@ -105,8 +100,6 @@ def skipped_notes(cfg: PPOConfig, train: PromptSet, evals: PromptSet | None) -> 
     rows are padded though packing is on."""
     limit = cfg.rollout.max_model_len
     lines = []
-    if cfg.train.packing and any(getattr(p, "images", ()) for p in train.token_ids):
-        lines.append(PADDED_IMAGE_ROWS)
     for name, ps in (("training", train), ("evaluation", evals)):
         if ps is not None and ps.skipped:
             first = ", ".join(map(str, ps.skipped[:5])) + (", ..." if len(ps.skipped) > 5 else "")

@@ -20,7 +20,12 @@ from rlhf_learner.models.loading import (
     zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
-from rlhf_learner.models.vision import FROZEN_TOWER_MODULES, freeze_vision_tower, is_vision_language
+from rlhf_learner.models.vision import (
+    FROZEN_TOWER_MODULES,
+    freeze_vision_tower,
+    is_vision_language,
+    packed_mrope_positions,
+)
 from rlhf_learner.packing import for_kernel
 
 if TYPE_CHECKING:
@@ -74,14 +79,21 @@ def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor |
 
 
 def _layout(
-    config: Any, input_ids: torch.Tensor, packed: torch.Tensor | None, position_ids: torch.Tensor | None
+    config: Any,
+    input_ids: torch.Tensor,
+    packed: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    *,
+    pictured: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]:
     """Rows as the attention kernel takes them: ``(ids, positions, the positions the model is given, how
-    to put per-token outputs back)``. A vision-language model reads packed text rows from text positions
-    put before its three M-RoPE rows (else its mask would cross the packed sequences)."""
+    to put per-token outputs back)``. A vision-language model reads packed rows from text positions put
+    before its three M-RoPE rows (else its mask would cross the packed sequences); rows with images
+    (``pictured``) keep their tokens' order."""
     if packed is None:
         return input_ids, position_ids, position_ids, _same
-    ids, pos, back = for_kernel(input_ids, packed, attn_implementation=attn_implementation(config))
+    kernel = attn_implementation(config)
+    ids, pos, back = for_kernel(input_ids, packed, attn_implementation=kernel, keep_order=pictured)
     model_pos = torch.cat([pos[None], pos[None].expand(3, *pos.shape)]) if is_vision_language(config) else pos
     return ids, pos, model_pos, back
 
@@ -89,23 +101,27 @@ def _layout(
 def _image_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    packed: torch.Tensor | None,
     images: dict[str, torch.Tensor | None],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(input_ids, keyword arguments)`` of a vision-language model's call on rows with images (right-padded:
-    the model derives each row's M-RoPE positions from its ids, images and mask). A placeholder token outside
-    ``mm_token_type_ids`` (one the policy sampled) is text: it is embedded as such and hidden from the
-    model's image placement."""
+    """``(input_ids, keyword arguments)`` of a vision-language model's call on rows with images, laid out
+    for the kernel. Padded rows: the model derives each row's M-RoPE positions from its ids, images and
+    mask. Packed rows (``packed``: their restarting positions): each sequence's are computed here, and the
+    keywords' ``position_ids`` are ``[4, R, L]``, the text positions before the three M-RoPE rows. A
+    placeholder token outside ``mm_token_type_ids`` (one the policy sampled) is text: it is embedded as
+    such and hidden from the model's image placement."""
     if all(v is None for v in images.values()):
         return input_ids, {}
     if any(v is None for v in images.values()):
         raise ValueError("pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
     if not is_vision_language(model.config):
         raise ValueError("pixel_values: the model has no vision tower (a text-only model)")
-    if attention_mask is None:
-        raise ValueError("pixel_values: image rows are right-padded (attention_mask), not packed")
-    kwargs: dict[str, torch.Tensor] = dict(images)  # type: ignore[arg-type]
-    text = (input_ids == int(model.config.image_token_id)) & (images["mm_token_type_ids"] == 0)
+    kinds = images["mm_token_type_ids"].reshape(input_ids.shape)  # type: ignore[union-attr]
+    kwargs: dict[str, torch.Tensor] = dict(images, mm_token_type_ids=kinds)  # type: ignore[arg-type]
+    if packed is not None:
+        rope = packed_mrope_positions(model, input_ids, packed, kinds, kwargs["image_grid_thw"])
+        kwargs["position_ids"] = torch.cat([packed[None], rope])
+    text = (input_ids == int(model.config.image_token_id)) & (kinds == 0)
     if text.any():
         kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
         input_ids = input_ids.masked_fill(text, 0)
@@ -228,28 +244,28 @@ class Actor(nn.Module):
             raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
         packed = position_ids  # as the caller gave them: packed rows
         position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
-        images = dict(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
-        )
-        model_ids, images = _image_inputs(self.model, input_ids, attention_mask, images)
         if return_vocab_logp and self.sp_group is not None:
             raise ValueError("return_vocab_logp: not with sequence parallelism (each rank holds a chunk)")
         if self.sp_group is not None:
-            if images:
+            if pixel_values is not None:
                 raise ValueError("pixel_values: image rows are not split for sequence parallelism")
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
-        kwargs: dict[str, Any] = dict(images)
-        if images:  # the model derives its M-RoPE (3D) positions from the ids, the images and the mask
-            position_ids = None
+        pictured = pixel_values is not None
+        ids, pos, model_pos, back = _layout(self.config, input_ids, packed, position_ids, pictured=pictured)
+        images = dict(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
+        )
+        model_ids, kwargs = _image_inputs(self.model, ids, pos if packed is not None else None, images)
+        if kwargs:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
+            model_pos = kwargs.pop("position_ids", None)
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):
                 raise ValueError(
                     "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
                 )
             kwargs["output_router_logits"] = True
-        ids, pos, model_pos, back = _layout(self.config, input_ids, packed, position_ids)
         out = self.model(
-            input_ids=model_ids if images else ids,
+            input_ids=model_ids,
             attention_mask=attention_mask,
             position_ids=model_pos,
             use_cache=False,

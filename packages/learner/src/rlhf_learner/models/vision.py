@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "check_vision_language",
     "freeze_vision_tower",
     "is_vision_language",
+    "packed_mrope_positions",
     "trained_parameters",
 ]
 
@@ -65,3 +67,46 @@ def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     if not is_vision_language(getattr(model, "config", None)):
         return named
     return [(n, p) for n, p in named if p.requires_grad or ".visual." not in f".{n}"]
+
+
+def _rope_index(model: nn.Module) -> Any:
+    """The model's own M-RoPE position builder (``get_rope_index``), under any wrapper (peft, compile)."""
+    for module in model.modules():
+        if hasattr(module, "get_rope_index"):
+            return module.get_rope_index
+    raise ValueError(f"{type(model).__name__}: no get_rope_index (not a Qwen2-VL-family model)")
+
+
+def packed_mrope_positions(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+) -> torch.Tensor:
+    """``[3, R, L]`` M-RoPE positions of packed rows (``position_ids`` restart at 0 per sequence), each
+    sequence's as the model computes them for it alone; its images are the next ones of ``image_grid_thw``
+    (one per run of image tokens in ``mm_token_type_ids``, in row order)."""
+    build = _rope_index(model)
+    out = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=input_ids.device)
+    kinds = mm_token_type_ids.long()
+    runs = (kinds == 1) & (torch.nn.functional.pad(kinds, (1, 0))[:, :-1] != 1)  # an image's first token
+    taken, width = 0, input_ids.shape[1]
+    starts = (position_ids == 0).nonzero().tolist()
+    for k, (row, start) in enumerate(starts):
+        end = starts[k + 1][1] if k + 1 < len(starts) and starts[k + 1][0] == row else width
+        span = slice(start, end)
+        images = int(runs[row, span].sum())
+        if images == 0:
+            out[:, row, span] = torch.arange(end - start, device=out.device)
+            continue
+        pos, _ = build(
+            input_ids=input_ids[row, span][None],
+            mm_token_type_ids=kinds[row, span][None],
+            image_grid_thw=image_grid_thw[taken : taken + images],
+        )
+        out[:, row, span] = pos[:, 0]
+        taken += images
+    if taken != image_grid_thw.shape[0]:
+        raise ValueError(f"image_grid_thw: {image_grid_thw.shape[0]} images, the rows hold {taken}")
+    return out

@@ -41,7 +41,7 @@ class ModelRows:
     """``[B, T]`` positions restarting at 0 per sequence (packed rows)."""
     pixel_values: torch.Tensor | None = None
     """Vision-language models: the rows' images, as the model's processor flattens them (``[patches, dim]``,
-    the images in the order their placeholder tokens appear, row by row). Image rows are padded."""
+    the images in the order their placeholder tokens appear, row by row)."""
     image_grid_thw: torch.Tensor | None = None
     """``[images, 3]``: each image's grid of patches (time, height, width), as the processor gives it."""
     mm_token_type_ids: torch.Tensor | None = None
@@ -75,8 +75,6 @@ class ModelRows:
         ]
         if any(given) and not all(given):
             raise ValueError(f"{name}.pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
-        if self.pixel_values is not None and self.position_ids is not None:
-            raise ValueError(f"{name}.pixel_values: image rows are padded (attention_mask), not packed")
         self._check_rows()
 
     def _check_rows(self) -> None:
