@@ -1,6 +1,6 @@
 """Rollout throughput on CPU: our engine wrappers against the raw engines they wrap.
 
-Run: uv run python benchmarks/rollout_cpu.py [--models tiny,small] [--repeats 3]
+Run: uv run python benchmarks/rollout_cpu.py [--models tiny,small,vlm] [--repeats 3]
 
 For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both random, float32):
 32 prompts x 4 samples x up to 64 new tokens, temperature 1, EOS allowed (ragged lengths), timed as
@@ -8,6 +8,8 @@ For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both
 2. our vLLM engine in its Ray actor, driven by ``SingleTurnExecutor`` (logprobs of every token),
 3. raw transformers ``generate`` (one left-padded batch of 128 rows),
 4. our ``TransformersEngine`` (logprobs of every token).
+``--models vlm``: the demo's tiny Qwen2-VL on 32 image prompts (one drawn image each, 56 to 112 pixels
+square), raw ``vllm.LLM.generate`` given the same ids and images against our vLLM engine (1 and 2 only).
 Raw and ours run interleaved (one warm-up each, then ``--repeats`` alternating rounds) so the load of a
 shared machine hits both alike. Prints median wall time, generated tokens and tokens per second, and
 the ratios ours / raw and vLLM / transformers (of median tok/s).
@@ -81,6 +83,46 @@ def interleaved(runners: dict, repeats: int) -> dict:
     }
 
 
+def image_prompts(model_dir, num: int):
+    """``(ours, raw)``: ``num`` image prompts as our recipes build them (:class:`ImagePrompt`, placeholders
+    expanded), and as a vLLM user writes them (the chat template's text tokenized, one placeholder per image,
+    the images as ``multi_modal_data``)."""
+    from rlhf_cli.data.images import ImageEncoder
+    from rlhf_cli.demo import shapes
+
+    encoder = ImageEncoder.for_model(model_dir)
+    ours, raw = [], []
+    for k, record in enumerate(shapes.records(seed=1, count=num)):
+        images = [record.images[0].resize((56 + 28 * (k % 3),) * 2)]
+        ours.append(encoder.prompt(record.prompt, images))
+        words = record.prompt.replace("<image>", "")  # the demo's prompts open with their image
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
+        text = encoder.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = encoder.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        raw.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+    return ours, raw
+
+
+def bench_vlm(root: Path, args) -> dict:
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm, tiny_vlm_num_params
+    from transformers import AutoTokenizer
+
+    model_dir = build_tiny_vlm(root / "vlm")
+    ours, raw = image_prompts(model_dir, args.prompts)
+    raw_run, raw_lp_run, raw_close = raw_vllm(model_dir, raw, args)
+    our_run, our_close = our_vllm(model_dir, ours, AutoTokenizer.from_pretrained(model_dir), args)
+    try:
+        runners = {"raw vLLM": raw_run, RAW_VLLM_LOGPROBS: raw_lp_run, VLLM_OURS: our_run}
+        res = {"params": tiny_vlm_num_params(), **interleaved(runners, args.repeats)}
+    finally:
+        our_close()
+        raw_close()
+    for key, value in res.items():
+        if key != "params":
+            print(f"[vlm] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[2]:.0f} tok/s", flush=True)
+    return res
+
+
 def raw_vllm(model_dir, prompts, args):
     """``vllm.LLM.generate`` with default engine options, without and with per-token logprobs (the
     work an RL rollout needs); returns (run, run_with_logprobs, close)."""
@@ -97,7 +139,7 @@ def raw_vllm(model_dir, prompts, args):
         flat_logprobs=True,
         detokenize=False,
     )
-    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    reqs = [TokensPrompt(**p) if isinstance(p, dict) else TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def run(sampling=sp):
         outs = llm.generate(reqs, sampling, use_tqdm=False)
@@ -208,7 +250,7 @@ def bench_model(name: str, root: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--models", default="tiny,small,vlm")
     parser.add_argument("--backends", default="vllm,transformers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=32)
@@ -217,7 +259,10 @@ def main() -> None:
     _summary.add_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: bench_model(name, Path(tmp), args) for name in args.models.split(",")}
+        results = {
+            name: bench_vlm(Path(tmp), args) if name == "vlm" else bench_model(name, Path(tmp), args)
+            for name in args.models.split(",")
+        }
     print(
         f"\n{args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} new tokens, "
         f"temperature 1, EOS allowed; median of {args.repeats}"
