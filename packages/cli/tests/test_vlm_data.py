@@ -226,6 +226,32 @@ def test_packed_and_padded_image_rows_give_each_sequence_its_own_log_probs(encod
             )
 
 
+def test_a_critic_on_the_vision_language_model_values_packed_and_padded_image_rows_alike(encoder, vlm_dir):
+    """The critic on a Qwen2-VL (its trunk under a fresh value head) reads the images: packed and padded
+    rows give each sequence the values it has alone, and those differ when the image does."""
+    from rlhf_cli.data.batches import to_rows
+    from rlhf_learner.models import load_critic
+
+    critic = load_critic(vlm_dir).eval()
+    seqs = _sequences(encoder)
+    images = [i for _, _, i in seqs]
+    packed = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=True, images=images)
+    padded = to_rows([{"input_ids": ids} for ids, _, _ in seqs], packing=False, images=images)
+    with torch.no_grad():
+        alone = []
+        for ids, _, image in seqs:
+            one = to_rows([{"input_ids": ids}], packing=False, images=[image]).tensors
+            alone.append(critic(one.pop("input_ids"), **one)[0])
+        for rows in (packed, padded):
+            t = dict(rows.tensors)
+            for v, a in zip(rows.split(critic(t.pop("input_ids"), **t)), alone, strict=True):
+                torch.testing.assert_close(v, a, atol=1e-5, rtol=0)
+        ids, _, image = seqs[0]
+        one = to_rows([{"input_ids": ids}], packing=False, images=[image]).tensors
+        one["pixel_values"] = one["pixel_values"].flip(0)  # the same tokens, another picture
+        assert not torch.allclose(critic(one.pop("input_ids"), **one)[0], alone[0], atol=1e-4)
+
+
 def test_the_transformers_engine_samples_the_learners_log_probs_over_turns_that_show_images(
     vlm_dir, encoder, actor
 ):

@@ -99,12 +99,13 @@ def make_env():
 '''
 
 
-def test_an_agent_shown_images_trains_the_vision_tower_and_resumes_as_an_uninterrupted_run(
+def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_resumes_as_an_uninterrupted_run(
     tmp_path, vlm_engine, vlm_dir
 ):
     """A multi-turn environment answers with an image; the vision tower trains and its weights reach the
-    engine (every step's samples have the learner's log-probs); a run stopped after its step-2 checkpoint and
-    resumed ends with the uninterrupted run's metrics and weights."""
+    engine (every step's samples have the learner's log-probs); a critic on the same model (GAE) values the
+    images' sequences; a run stopped after its step-2 checkpoint and resumed ends with the uninterrupted
+    run's metrics and weights."""
     from rlhf_cli.demo import shapes
 
     colours = {r.label: shapes.COLOURS[r.label] for r in shapes.records(seed=0) if r.label in shapes.COLOURS}
@@ -127,7 +128,7 @@ def test_an_agent_shown_images_trains_the_vision_tower_and_resumes_as_an_uninter
             "--rollout.max_new_tokens",
             "4",
         ),
-        *("--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2"),
+        *("--algo.advantage.estimator", "gae", "--ckpt.save_steps", "2"),  # a critic on the images too
     ]
     whole = _ppo(tmp_path / "whole", vlm_engine, *flags, "--train.num_steps", "4")
     _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "2")
@@ -135,6 +136,7 @@ def test_an_agent_shown_images_trains_the_vision_tower_and_resumes_as_an_uninter
     untimed = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(whole)]
     assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(split)] == untimed
     assert all(r["sync/logp_mismatch_max"] < ALIGNED and r["extra/images_shown"] == 1.0 for r in untimed)
+    assert len({r["critic/value_loss"] for r in untimed}) == len(untimed)  # the critic trains on them
     final = load_file(next(whole.final_model.glob("*.safetensors")))
     assert final.keys() == load_file(next(split.final_model.glob("*.safetensors"))).keys()
     for name, value in load_file(next(split.final_model.glob("*.safetensors"))).items():

@@ -76,12 +76,18 @@ def _records(cfg: PPOConfig, *, takes_images: bool) -> tuple[list, list | None, 
     return train, evals, source
 
 
+def _vision_language(model_dir: str) -> bool:
+    from rlhf_learner.models import check_model_dir, is_vision_language
+
+    return is_vision_language(check_model_dir(model_dir, need_causal_lm=False, need_tokenizer=False))
+
+
 def _check_image_run(cfg: PPOConfig, source: str) -> None:
     """Refuse the groups that read text only, for prompts with images."""
-    if cfg.uses_critic:
+    if cfg.uses_critic and cfg.critic.pretrain and not _vision_language(cfg.critic.pretrain):
         raise ValueError(
-            f"{source}: prompts with images, but the critic (--algo.advantage.estimator "
-            f"{cfg.algo.advantage.estimator}) reads text only; use an estimator without a critic (e.g. group_norm)"
+            f"{source}: prompts with images, but the critic (--critic.pretrain {cfg.critic.pretrain}) is "
+            "text-only; leave --critic.pretrain unset (the actor's model) or give a vision-language model"
         )
     if cfg.learner.sequence_parallel_size > 1:
         raise ValueError(

@@ -6,6 +6,7 @@ from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, t
 from rlhf_learner.models.value import (
     Critic,
     RewardModel,
+    VisionValueModel,
     has_score_head,
     last_token_index,
     load_critic,
@@ -25,6 +26,7 @@ __all__ = [
     "Critic",
     "ModelOptions",
     "RewardModel",
+    "VisionValueModel",
     "check_model_dir",
     "check_sequence_length",
     "entropy_from_logits",

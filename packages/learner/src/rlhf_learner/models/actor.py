@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from rlhf_learner.models.layout import image_inputs, kernel_layout
 from rlhf_learner.models.loading import (
     ModelOptions,
-    attn_implementation,
     check_compile,
     check_model_dir,
     compile_model,
@@ -20,22 +20,12 @@ from rlhf_learner.models.loading import (
     zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
-from rlhf_learner.models.vision import (
-    FROZEN_TOWER_MODULES,
-    freeze_vision_tower,
-    is_vision_language,
-    packed_mrope_positions,
-)
-from rlhf_learner.packing import for_kernel
+from rlhf_learner.models.vision import FROZEN_TOWER_MODULES, freeze_vision_tower, is_vision_language
 
 if TYPE_CHECKING:
     from rlhf_learner.lora import LoraOptions
 
 __all__ = ["Actor", "ActorOutput", "load_causal_lm", "load_reference"]
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def _per_token(
@@ -76,56 +66,6 @@ def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor |
     if starts is not None:
         out = out.masked_fill((starts.to(out.device) == 0).unsqueeze(-1), 0.0)
     return out
-
-
-def _layout(
-    config: Any,
-    input_ids: torch.Tensor,
-    packed: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    *,
-    pictured: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]:
-    """Rows as the attention kernel takes them: ``(ids, positions, the positions the model is given, how
-    to put per-token outputs back)``. A vision-language model reads packed rows from text positions put
-    before its three M-RoPE rows (else its mask would cross the packed sequences); rows with images
-    (``pictured``) keep their tokens' order."""
-    if packed is None:
-        return input_ids, position_ids, position_ids, _same
-    kernel = attn_implementation(config)
-    ids, pos, back = for_kernel(input_ids, packed, attn_implementation=kernel, keep_order=pictured)
-    model_pos = torch.cat([pos[None], pos[None].expand(3, *pos.shape)]) if is_vision_language(config) else pos
-    return ids, pos, model_pos, back
-
-
-def _image_inputs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    packed: torch.Tensor | None,
-    images: dict[str, torch.Tensor | None],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(input_ids, keyword arguments)`` of a vision-language model's call on rows with images, laid out
-    for the kernel. Padded rows: the model derives each row's M-RoPE positions from its ids, images and
-    mask. Packed rows (``packed``: their restarting positions): each sequence's are computed here, and the
-    keywords' ``position_ids`` are ``[4, R, L]``, the text positions before the three M-RoPE rows. A
-    placeholder token outside ``mm_token_type_ids`` (one the policy sampled) is text: it is embedded as
-    such and hidden from the model's image placement."""
-    if all(v is None for v in images.values()):
-        return input_ids, {}
-    if any(v is None for v in images.values()):
-        raise ValueError("pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
-    if not is_vision_language(model.config):
-        raise ValueError("pixel_values: the model has no vision tower (a text-only model)")
-    kinds = images["mm_token_type_ids"].reshape(input_ids.shape)  # type: ignore[union-attr]
-    kwargs: dict[str, torch.Tensor] = dict(images, mm_token_type_ids=kinds)  # type: ignore[arg-type]
-    if packed is not None:
-        rope = packed_mrope_positions(model, input_ids, packed, kinds, kwargs["image_grid_thw"])
-        kwargs["position_ids"] = torch.cat([packed[None], rope])
-    text = (input_ids == int(model.config.image_token_id)) & (kinds == 0)
-    if text.any():
-        kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
-        input_ids = input_ids.masked_fill(text, 0)
-    return input_ids, kwargs
 
 
 def load_causal_lm(
@@ -251,11 +191,13 @@ class Actor(nn.Module):
                 raise ValueError("pixel_values: image rows are not split for sequence parallelism")
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
         pictured = pixel_values is not None
-        ids, pos, model_pos, back = _layout(self.config, input_ids, packed, position_ids, pictured=pictured)
+        ids, pos, model_pos, back = kernel_layout(
+            self.config, input_ids, packed, position_ids, pictured=pictured
+        )
         images = dict(
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
         )
-        model_ids, kwargs = _image_inputs(self.model, ids, pos if packed is not None else None, images)
+        model_ids, kwargs = image_inputs(self.model, ids, pos if packed is not None else None, images)
         if kwargs:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
             model_pos = kwargs.pop("position_ids", None)
         if return_aux_loss:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_learner.models.layout import image_inputs, kernel_layout
 from rlhf_learner.models.loading import (
     ModelOptions,
-    attn_implementation,
     check_compile,
     check_model_dir,
     compile_model,
@@ -23,11 +23,12 @@ from rlhf_learner.models.loading import (
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import shift_to_inputs
-from rlhf_learner.packing import for_kernel
+from rlhf_learner.models.vision import check_vision_language, freeze_vision_tower, is_vision_language
 
 __all__ = [
     "Critic",
     "RewardModel",
+    "VisionValueModel",
     "has_score_head",
     "last_token_index",
     "load_critic",
@@ -84,18 +85,30 @@ class Critic(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        packed = position_ids if attention_mask is None else None
         positions = input_positions(self.config, input_ids, attention_mask, position_ids)
-        ids, back = input_ids, None
-        if attention_mask is None and positions is not None:  # packed rows
-            ids, positions, back = for_kernel(
-                ids, positions, attn_implementation=attn_implementation(self.config)
-            )
-        trunk = self.model.base_model(
-            input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        pictured = pixel_values is not None
+        ids, pos, model_pos, back = kernel_layout(
+            self.config, input_ids, packed, positions, pictured=pictured
         )
-        hidden = trunk.last_hidden_state if back is None else back(trunk.last_hidden_state)
-        return self.model.score(hidden).squeeze(-1).float()
+        images = dict(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
+        )
+        model_ids, kwargs = image_inputs(self.model, ids, pos if packed is not None else None, images)
+        if kwargs:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
+            model_pos = kwargs.pop("position_ids", None)
+        trunk = self.model.base_model(
+            input_ids=model_ids,
+            attention_mask=attention_mask,
+            position_ids=model_pos,
+            use_cache=False,
+            **kwargs,
+        )
+        return self.model.score(back(trunk.last_hidden_state)).squeeze(-1).float()
 
     def forward(
         self,
@@ -103,14 +116,36 @@ class Critic(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         """``[B, T]`` state values aligned with the tokens: column ``t`` holds ``V(x_<t)``, the value of
         the state in which token ``t`` was chosen (the head read at ``t - 1``), as ``Actor``'s
         ``logp[:, t]`` is ``log pi(x_t | x_<t)``. So ``values[:, t]`` and ``logp[:, t]`` describe the same
         action, which is the pairing GAE's ``delta_t = r_t + gamma V_{t+1} - V_t`` needs. Column 0 and,
-        for packed rows, each sequence's first token have no preceding state and hold 0."""
-        v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        for packed rows, each sequence's first token have no preceding state and hold 0. ``images``: a
+        vision-language critic's ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``."""
+        v = self.values(input_ids, attention_mask=attention_mask, position_ids=position_ids, **images)
         return shift_to_inputs(v[:, :-1], position_ids)
+
+
+class VisionValueModel(nn.Module):
+    """A vision-language model's trunk (vision tower and language model) under a scalar ``score`` head:
+    transformers has no ``*ForSequenceClassification`` for the Qwen2-VL family. The head starts fresh."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model.model  # the trunk of a *ForConditionalGeneration (its LM head is dropped)
+        self.config = model.config
+        text = getattr(model.config, "text_config", model.config)
+        self.score = nn.Linear(text.hidden_size, 1, bias=False, dtype=model.dtype)
+        nn.init.normal_(self.score.weight, std=getattr(text, "initializer_range", 0.02))
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
 
 
 class RewardModel(Critic):
@@ -150,6 +185,8 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
     options = options or ModelOptions()
     check_compile(options, ds_config)
     cfg = check_model_dir(path, need_causal_lm=False, need_tokenizer=False)
+    if is_vision_language(cfg):
+        return _load_vision_value_model(path, cfg, options, ds_config)
     archs = cfg.get("architectures") or []
     if not any(a.endswith(("ForCausalLM", "ForSequenceClassification")) for a in archs):
         raise ValueError(
@@ -167,6 +204,25 @@ def _load_scalar_model(path: str | Path, options: ModelOptions | None, ds_config
     if options.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compile_model(model.base_model, options)  # the trunk: Critic.values calls it and the head apart
+    return model
+
+
+def _load_vision_value_model(
+    path: str | Path, cfg: dict[str, Any], options: ModelOptions, ds_config: dict[str, Any] | None
+) -> VisionValueModel:
+    from transformers import AutoModelForImageTextToText
+
+    check_vision_language(cfg, where=f"model folder {str(path)!r}")
+    with zero3_construction(ds_config, cfg.get("model_type", "")):
+        lm = AutoModelForImageTextToText.from_pretrained(
+            str(path), dtype=options.torch_dtype, attn_implementation=options.attn_implementation
+        )
+        model = VisionValueModel(lm)
+    if options.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if options.freeze_vision_tower:
+        freeze_vision_tower(model)
+    compile_model(model.base_model, options)
     return model
 
 

@@ -144,7 +144,7 @@ class LearnerWorker:
         self, *, sequences: list[torch.Tensor | ImageSequence], micro_batch_size: int, packing: bool
     ) -> list[torch.Tensor]:
         """Per sequence: log-probs (actor, ref), state values (critic) as ``[T]``, or a score (reward).
-        A sequence with images (actor, ref) is scored from its ids and its images' pixels."""
+        A sequence with images (actor, ref, critic) is scored from its ids and its images' pixels."""
         out: list[torch.Tensor] = []
         role = self.spec.role
         self.engine.eval()
@@ -155,10 +155,10 @@ class LearnerWorker:
             )
             t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
             kw = {k: v for k, v in t.items() if k != "input_ids"}
-            if "pixel_values" in kw and role not in ("actor", "ref"):
+            if "pixel_values" in kw and role == "reward":
                 raise ValueError(
-                    f"the {role} reads text only, but these sequences hold images (an environment showed "
-                    "them); use an estimator without a critic and a reward function"
+                    "the reward model reads text only, but these sequences hold images (an environment "
+                    "showed them); use a reward function"
                 )
             if role in ("actor", "ref"):
                 out += [x.float().cpu() for x in rows.split(self.engine(t["input_ids"], **kw).logp)]
