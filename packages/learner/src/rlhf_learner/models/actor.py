@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from rlhf_learner.models.layout import image_inputs, kernel_layout
+from rlhf_learner.models.layout import model_call
 from rlhf_learner.models.loading import (
     ModelOptions,
     check_compile,
@@ -190,34 +190,28 @@ class Actor(nn.Module):
             if pixel_values is not None:
                 raise ValueError("pixel_values: image rows are not split for sequence parallelism")
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
-        pictured = pixel_values is not None
-        ids, pos, model_pos, back = kernel_layout(
-            self.config, input_ids, packed, position_ids, pictured=pictured
-        )
         images = dict(
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
         )
-        model_ids, kwargs = image_inputs(self.model, ids, pos if packed is not None else None, images)
-        if kwargs:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
-            model_pos = kwargs.pop("position_ids", None)
+        ids, starts, back, kwargs = model_call(
+            self.model,
+            input_ids,
+            attention_mask=attention_mask,
+            packed=packed,
+            positions=position_ids,
+            images=images,
+        )
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):
                 raise ValueError(
                     "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
                 )
             kwargs["output_router_logits"] = True
-        out = self.model(
-            input_ids=model_ids,
-            attention_mask=attention_mask,
-            position_ids=model_pos,
-            use_cache=False,
-            **kwargs,
-        )
+        out = self.model(**kwargs)
         # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
         # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.
         head = _compiled_per_token() if self.compile_head else _per_token
         lp, ent = head(out.logits, ids, self.temperature, entropy=return_entropy)
-        starts = pos if packed is not None else None
         logp = back(shift_to_inputs(lp, starts))
         entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None

@@ -3,7 +3,8 @@ a vision-language model reads. Shared by the actor (log-probs) and the critic (v
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from rlhf_learner.models.loading import attn_implementation
 from rlhf_learner.models.vision import is_vision_language, packed_mrope_positions
 from rlhf_learner.packing import for_kernel
 
-__all__ = ["image_inputs", "kernel_layout"]
+__all__ = ["ModelCall", "image_inputs", "kernel_layout", "model_call"]
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -67,3 +68,38 @@ def image_inputs(
         kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
         input_ids = input_ids.masked_fill(text, 0)
     return input_ids, kwargs
+
+
+class ModelCall(NamedTuple):
+    """A model call on rows laid out for the kernel (see :func:`model_call`)."""
+
+    ids: torch.Tensor
+    """The token ids as laid out (what per-token outputs are computed against)."""
+    starts: torch.Tensor | None
+    """Packed rows: their restarting positions as laid out (each sequence's first token at 0); else None."""
+    back: Callable[[torch.Tensor], torch.Tensor]
+    """Puts a per-token output (``[R', L', ...]``) back as the caller's ``[R, L, ...]``."""
+    kwargs: dict[str, Any]
+    """The model call's keyword arguments: ids, mask, positions and images."""
+
+
+def model_call(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    images: dict[str, torch.Tensor | None],
+) -> ModelCall:
+    """Rows (padded, or ``packed`` with their restarting positions) as ``model`` is called on them: laid out
+    for the attention kernel, with a vision-language model's positions and ``images`` (``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids``, all None for text)."""
+    pictured = images.get("pixel_values") is not None
+    ids, pos, model_pos, back = kernel_layout(model.config, input_ids, packed, positions, pictured=pictured)
+    starts = pos if packed is not None else None
+    model_ids, extra = image_inputs(model, ids, starts, images)
+    if extra:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
+        model_pos = extra.pop("position_ids", None)
+    kwargs = dict(input_ids=model_ids, attention_mask=attention_mask, position_ids=model_pos, use_cache=False)
+    return ModelCall(ids, starts, back, kwargs | extra)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlhf_learner.models.layout import image_inputs, kernel_layout
+from rlhf_learner.models.layout import model_call
 from rlhf_learner.models.loading import (
     ModelOptions,
     check_compile,
@@ -91,24 +91,19 @@ class Critic(nn.Module):
     ) -> torch.Tensor:
         packed = position_ids if attention_mask is None else None
         positions = input_positions(self.config, input_ids, attention_mask, position_ids)
-        pictured = pixel_values is not None
-        ids, pos, model_pos, back = kernel_layout(
-            self.config, input_ids, packed, positions, pictured=pictured
-        )
         images = dict(
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
         )
-        model_ids, kwargs = image_inputs(self.model, ids, pos if packed is not None else None, images)
-        if kwargs:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
-            model_pos = kwargs.pop("position_ids", None)
-        trunk = self.model.base_model(
-            input_ids=model_ids,
+        call = model_call(
+            self.model,
+            input_ids,
             attention_mask=attention_mask,
-            position_ids=model_pos,
-            use_cache=False,
-            **kwargs,
+            packed=packed,
+            positions=positions,
+            images=images,
         )
-        return self.model.score(back(trunk.last_hidden_state)).squeeze(-1).float()
+        trunk = self.model.base_model(**call.kwargs)
+        return self.model.score(call.back(trunk.last_hidden_state)).squeeze(-1).float()
 
     def forward(
         self,
