@@ -143,6 +143,24 @@ def test_images_for_a_text_only_model_are_refused_naming_the_row(tmp_path, demo_
     )
 
 
+def test_an_unsupported_vision_language_model_is_refused_in_one_line(tmp_path, vlm_dir):
+    """A model with a vision tower outside the Qwen2-VL family (its config's model_type) is refused before
+    anything loads, naming the folder and the supported types."""
+    import shutil
+
+    from rlhf_learner.models import load_causal_lm
+
+    other = shutil.copytree(vlm_dir, tmp_path / "llava")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"model_type": "llava"}))
+    with pytest.raises(ValueError) as caught:
+        load_causal_lm(other)
+    assert str(caught.value) == (
+        f"model folder '{other}': vision-language model_type 'llava' is not supported; supported: "
+        "qwen2_vl, qwen2_5_vl, qwen3_vl"
+    )
+
+
 def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(tmp_path, vlm_dir):
     """fsdp2 over two data-parallel ranks: a rank whose micro-batch had no image would skip the vision
     tower's gathers the other waits in; on one rank the same data is taken."""
@@ -250,6 +268,46 @@ def test_a_critic_on_the_vision_language_model_values_packed_and_padded_image_ro
         one = to_rows([{"input_ids": ids}], packing=False, images=[image]).tensors
         one["pixel_values"] = one["pixel_values"].flip(0)  # the same tokens, another picture
         assert not torch.allclose(critic(one.pop("input_ids"), **one)[0], alone[0], atol=1e-4)
+
+
+def test_qwen3_vl_rows_packed_and_padded_give_each_sequence_its_own_log_probs_and_values(tmp_path):
+    """Qwen3-VL (16-pixel patches, deepstack features): the actor's log-probs and the critic's values of
+    image rows, packed and padded, are each sequence's alone; a sampled placeholder token is text."""
+    from rlhf_cli.data.batches import to_rows
+    from rlhf_cli.data.images import ImageEncoder
+    from rlhf_cli.demo import shapes
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+    from rlhf_learner.models import Actor, load_causal_lm, load_critic
+
+    model_dir = build_tiny_vlm(tmp_path / "qwen3", model_type="qwen3_vl")
+    encoder = ImageEncoder.for_model(model_dir)
+    seqs = []
+    for k, r in enumerate(shapes.records(seed=5, count=3)):
+        images = [r.images[0].resize((64 + 32 * k, 64))]
+        prompt = encoder.prompt(r.prompt, images)
+        response = [40 + k] * (3 + 2 * k) + ([encoder.image_token_id, 41] if k == 2 else [])
+        ids = torch.tensor([*prompt, *response])
+        sampled = torch.tensor([False] * len(prompt) + [True] * len(response))
+        seqs.append((ids, encoder.inputs(images, ids, sampled)))
+    seqs.append((torch.tensor([3] + [40 + k % 20 for k in range(119)]), None))  # image rows share a row
+    actor, critic = Actor(load_causal_lm(model_dir)).eval(), load_critic(model_dir).eval()
+    score = {"actor": lambda ids, **kw: actor(ids, **kw).logp, "critic": critic}
+    with torch.no_grad():
+        for name, fn in score.items():
+            alone = []
+            for ids, images in seqs:
+                one = dict(
+                    to_rows([{"input_ids": ids}], packing=False, images=[images] if images else ()).tensors
+                )
+                alone.append(fn(one.pop("input_ids"), **one)[0])
+            for packing in (True, False):
+                rows = to_rows(
+                    [{"input_ids": i} for i, _ in seqs], packing=packing, images=[m for _, m in seqs]
+                )
+                t = dict(rows.tensors)
+                assert t["input_ids"].shape[0] == (2 if packing else 4)
+                for got, want in zip(rows.split(fn(t.pop("input_ids"), **t)), alone, strict=True):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{name}, packing {packing}")
 
 
 def test_the_transformers_engine_samples_the_learners_log_probs_over_turns_that_show_images(

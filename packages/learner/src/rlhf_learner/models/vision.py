@@ -18,14 +18,13 @@ __all__ = [
     "trained_parameters",
 ]
 
-VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """``model_type`` s whose image inputs (``pixel_values``, ``image_grid_thw``) and M-RoPE positions the
-learner handles, and which vLLM serves. (Qwen3-VL is not among them yet: its forward takes token ids or
-embeddings, not both, which a placeholder token the policy sampled needs here.)"""
+learner handles, and which vLLM serves."""
 
-FROZEN_TOWER_MODULES = r".*\.visual\.(?!merger).*"
-"""Module names of the vision tower but its projector (the patch merger): no LoRA adapters there while it
-is frozen."""
+FROZEN_TOWER_MODULES = r".*\.visual\.(?!merger|deepstack_merger).*"
+"""Module names of the vision tower but its projectors (the patch merger, and Qwen3-VL's deepstack
+mergers): no LoRA adapters there while it is frozen."""
 
 
 def is_vision_language(config: dict[str, Any] | Any) -> bool:
