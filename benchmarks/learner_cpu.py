@@ -31,6 +31,7 @@ from pathlib import Path
 
 import _summary
 import torch
+from _vlm import build_wide_vlm
 
 SEQS = 64
 MICRO = 8  # micro-batches per optimizer step
@@ -127,22 +128,8 @@ def engine_for(model_dir, stage, gas):
 def build_vlm(path: Path) -> Path:
     """The demo's tiny Qwen2-VL, its language model widened to :func:`build_model`'s shape, and a processor
     that takes images up to 336x336 pixels (144 tokens)."""
-    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
-    from transformers import AutoConfig, AutoProcessor, Qwen2VLForConditionalGeneration
-
-    build_tiny_vlm(path)
-    cfg = AutoConfig.from_pretrained(path)
     text = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4)
-    for k, v in (text | dict(num_key_value_heads=2, layer_types=["full_attention"] * 4)).items():
-        setattr(cfg.text_config, k, v)
-    cfg.vision_config.hidden_size = 256  # the projector's output: the language model's width
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(cfg).save_pretrained(path)
-    processor = AutoProcessor.from_pretrained(path)
-    processor.image_processor.max_pixels = 336 * 336
-    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 336 * 336}
-    processor.save_pretrained(path)
-    return path
+    return build_wide_vlm(path, max_side=336, **text, num_key_value_heads=2)
 
 
 def vlm_micro_batches(model_dir: Path) -> tuple[list[dict], list[dict], int]:

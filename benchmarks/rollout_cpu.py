@@ -1,6 +1,6 @@
 """Rollout throughput on CPU: our engine wrappers against the raw engines they wrap.
 
-Run: uv run python benchmarks/rollout_cpu.py [--models tiny,small,vlm] [--repeats 3]
+Run: uv run python benchmarks/rollout_cpu.py [--models tiny,small,vlm,vlm-small] [--repeats 3]
 
 For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both random, float32):
 32 prompts x 4 samples x up to 64 new tokens, temperature 1, EOS allowed (ragged lengths), timed as
@@ -8,8 +8,9 @@ For each model (the test kit's tiny 2-layer model and a ~25M-parameter one, both
 2. our vLLM engine in its Ray actor, driven by ``SingleTurnExecutor`` (logprobs of every token),
 3. raw transformers ``generate`` (one left-padded batch of 128 rows),
 4. our ``TransformersEngine`` (logprobs of every token).
-``--models vlm``: the demo's tiny Qwen2-VL on 32 image prompts (one drawn image each, 56 to 112 pixels
-square), raw ``vllm.LLM.generate`` given the same ids and images against our vLLM engine (1 and 2 only).
+``--models vlm,vlm-small``: the demo's tiny Qwen2-VL (its language model as is, or shaped as ``small``)
+on 32 image prompts (one drawn image each, 56 to 112 pixels square), raw ``vllm.LLM.generate`` given the
+same ids and images against our vLLM engine (1 and 2 only).
 Raw and ours run interleaved (one warm-up each, then ``--repeats`` alternating rounds) so the load of a
 shared machine hits both alike. Prints median wall time, generated tokens and tokens per second, and
 the ratios ours / raw and vLLM / transformers (of median tok/s).
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import _summary
+from _vlm import build_wide_vlm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -103,23 +105,25 @@ def image_prompts(model_dir, num: int):
     return ours, raw
 
 
-def bench_vlm(root: Path, args) -> dict:
-    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm, tiny_vlm_num_params
-    from transformers import AutoTokenizer
+def bench_vlm(name: str, root: Path, args) -> dict:
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    model_dir = build_tiny_vlm(root / "vlm")
+    shape = MODELS[name.removeprefix("vlm-")] if name != "vlm" else None
+    model_dir = build_wide_vlm(root / name, **shape) if shape else build_tiny_vlm(root / name)
+    params = sum(p.numel() for p in AutoModelForImageTextToText.from_pretrained(model_dir).parameters())
     ours, raw = image_prompts(model_dir, args.prompts)
     raw_run, raw_lp_run, raw_close = raw_vllm(model_dir, raw, args)
     our_run, our_close = our_vllm(model_dir, ours, AutoTokenizer.from_pretrained(model_dir), args)
     try:
         runners = {"raw vLLM": raw_run, RAW_VLLM_LOGPROBS: raw_lp_run, VLLM_OURS: our_run}
-        res = {"params": tiny_vlm_num_params(), **interleaved(runners, args.repeats)}
+        res = {"params": params, **interleaved(runners, args.repeats)}
     finally:
         our_close()
         raw_close()
     for key, value in res.items():
         if key != "params":
-            print(f"[vlm] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[2]:.0f} tok/s", flush=True)
+            print(f"[{name}] {key}: {value[0]:.3f} s, {value[1]} tokens, {value[2]:.0f} tok/s", flush=True)
     return res
 
 
@@ -250,7 +254,7 @@ def bench_model(name: str, root: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,small,vlm")
+    parser.add_argument("--models", default="tiny,small,vlm,vlm-small")
     parser.add_argument("--backends", default="vllm,transformers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=32)
@@ -260,7 +264,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {
-            name: bench_vlm(Path(tmp), args) if name == "vlm" else bench_model(name, Path(tmp), args)
+            name: bench_vlm(name, Path(tmp), args)
+            if name.startswith("vlm")
+            else bench_model(name, Path(tmp), args)
             for name in args.models.split(",")
         }
     print(
