@@ -206,13 +206,38 @@ def _sequences(encoder):
     return out
 
 
-def test_packed_and_padded_image_rows_give_each_sequence_its_own_log_probs(encoder, actor):
+def _assert_sampled_placeholder_read_as_text(model_dir, actor, ids, images, image_token_id):
+    """The actor's log-probs of ``ids`` (a placeholder token among its sampled ones) equal those of a model
+    that never sees that token as a placeholder: the token given as id 0 to a copy whose embedding row 0 is
+    the placeholder's (its output head untied first), at every position but the placeholder's own."""
+    from rlhf_cli.data.batches import to_rows
+    from rlhf_learner.models import Actor, load_causal_lm
+
+    reference = load_causal_lm(model_dir).eval()
+    embedding = reference.get_input_embeddings().weight
+    with torch.no_grad():
+        reference.lm_head.weight = torch.nn.Parameter(embedding.detach().clone())
+        embedding[0] = embedding[image_token_id]
+    sampled = (ids == image_token_id) & ~torch.isin(torch.arange(len(ids)), images.positions)
+    assert sampled.sum() == 1
+    one = dict(to_rows([{"input_ids": ids}], packing=False, images=[images]).tensors)
+    with torch.no_grad():
+        got = actor(one.pop("input_ids"), **one).logp[0]
+        one = dict(
+            to_rows([{"input_ids": ids.masked_fill(sampled, 0)}], packing=False, images=[images]).tensors
+        )
+        want = Actor(reference)(one.pop("input_ids"), **one).logp[0]
+    torch.testing.assert_close(got[~sampled], want[~sampled], atol=1e-5, rtol=0)
+
+
+def test_packed_and_padded_image_rows_give_each_sequence_its_own_log_probs(encoder, actor, vlm_dir):
     """Image rows packed (several sequences in a row, the learner computing each one's M-RoPE positions) and
     padded (one sequence each) give each sequence the log-probs it has alone; a sampled placeholder token is
     text. Text rows on the same model are packed too, each sequence attending to itself only."""
     from rlhf_cli.data.batches import to_rows
 
     seqs = _sequences(encoder)
+    _assert_sampled_placeholder_read_as_text(vlm_dir, actor, seqs[2][0], seqs[2][2], encoder.image_token_id)
     text = torch.tensor([3] + [40 + k % 20 for k in range(81)])  # the longest: image rows fit in one
     seqs = [*seqs, (text, None, None)]
     assert seqs[2][2].positions.numel() == 8  # 112x56 pixels: 8 tokens; the sampled one is not counted
@@ -291,6 +316,7 @@ def test_qwen3_vl_rows_packed_and_padded_give_each_sequence_its_own_log_probs_an
         seqs.append((ids, encoder.inputs(images, ids, sampled)))
     seqs.append((torch.tensor([3] + [40 + k % 20 for k in range(119)]), None))  # image rows share a row
     actor, critic = Actor(load_causal_lm(model_dir)).eval(), load_critic(model_dir).eval()
+    _assert_sampled_placeholder_read_as_text(model_dir, actor, *seqs[2], encoder.image_token_id)
     score = {"actor": lambda ids, **kw: actor(ids, **kw).logp, "critic": critic}
     with torch.no_grad():
         for name, fn in score.items():

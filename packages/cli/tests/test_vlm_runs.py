@@ -10,7 +10,6 @@ import json
 import os
 import re
 import threading
-import time
 
 import pytest
 import torch
@@ -107,14 +106,27 @@ def make_env():
 '''
 
 
-def _kill_a_rank_after_step_2(run_dir, rng) -> None:
-    """SIGKILL the actor's or the critic's rank (drawn) once the run has saved its step-2 checkpoint."""
-    since, deadline = time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic() + 240
-    latest = run_dir / "checkpoints" / "latest"
-    while not (latest.is_file() and latest.read_text() == "step_000002"):
-        assert time.monotonic() < deadline, "no step-2 checkpoint"
-        time.sleep(0.01)
-    rng.choice(ray_workers("LearnerWorker", since)).kill()
+class _KillARankAfterStep2(threading.Thread):
+    """SIGKILLs a learner rank (drawn: actor, critic or reference) of the run in ``run_dir`` once it has
+    saved its step-2 checkpoint; its ranks are the LearnerWorker processes not there when it started."""
+
+    def __init__(self, run_dir, rng) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.rng, self.error, self.killed = run_dir, rng, None, None
+        self.before = {p.pid for p in ray_workers("LearnerWorker", 0)}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            latest = self.run_dir / "checkpoints" / "latest"
+            while not (latest.is_file() and latest.read_text() == "step_000002"):
+                if self.stop.wait(0.01):
+                    return
+            ranks = [p for p in ray_workers("LearnerWorker", 0) if p.pid not in self.before]
+            self.killed = self.rng.choice(ranks)
+            self.killed.kill()
+        except Exception as err:  # re-raised by the test
+            self.error = err
 
 
 def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uninterrupted_run(
@@ -149,10 +161,14 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uni
         *("--algo.advantage.estimator", "gae", "--ckpt.save_steps", "2"),  # a critic on the images too
     ]
     whole = _ppo(tmp_path / "whole", vlm_engine, *flags, "--train.num_steps", "4")
-    killer = threading.Thread(target=_kill_a_rank_after_step_2, args=(tmp_path / "split", kill_steps_rng()))
+    killer = _KillARankAfterStep2(tmp_path / "split", kill_steps_rng())
     killer.start()
-    split = _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "4", restarts=True)
-    killer.join()
+    try:
+        split = _ppo(tmp_path / "split", vlm_engine, *flags, "--train.num_steps", "4", restarts=True)
+    finally:
+        killer.stop.set()
+        killer.join(timeout=30)
+    assert killer.error is None and killer.killed is not None, killer.error
     assert re.search(
         r"rank 0 died \(.*; restart 1 of 3, resuming from \S+step_000002", capfd.readouterr().err
     )

@@ -22,8 +22,11 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any, model_dir: Path) -> tuple[Promp
     encoder = image_encoder(model_dir)
     train, evals, source = _records(cfg, takes_images=encoder is not None)
     if any(r.images for r in [*train, *(evals or [])]):
-        _check_image_run(cfg, source)
-        ranks = data_parallel_size(cfg.actor.world_size, cfg.learner)
+        _check_image_run(cfg, source, model_dir)
+        worlds = [cfg.actor.world_size]  # every group that forwards the images, each over its ranks
+        worlds += [cfg.critic.world_size] if cfg.uses_critic else []
+        worlds += [cfg.ref.world_size] if cfg.uses_reference else []
+        ranks = max(data_parallel_size(w, cfg.learner) for w in worlds)
         mix = dict(learner=cfg.learner, ranks=ranks)
         check_sharded_mix(sum(bool(r.images) for r in train), len(train), **mix, what=source)
     template = cfg.data.input_template
@@ -76,18 +79,24 @@ def _records(cfg: PPOConfig, *, takes_images: bool) -> tuple[list, list | None, 
     return train, evals, source
 
 
-def _vision_language(model_dir: str) -> bool:
+def _same_images(critic_dir: str, actor_dir: Path) -> bool:
+    """The critic's model reads images as the actor's does: a vision-language model of its type, with its
+    image token (the actor's processor makes the pixels both read)."""
     from rlhf_learner.models import check_model_dir, is_vision_language
 
-    return is_vision_language(check_model_dir(model_dir, need_causal_lm=False, need_tokenizer=False))
+    critic = check_model_dir(critic_dir, need_causal_lm=False, need_tokenizer=False)
+    actor = check_model_dir(actor_dir, need_causal_lm=False, need_tokenizer=False)
+    keys = ("model_type", "image_token_id")
+    return is_vision_language(critic) and all(critic.get(k) == actor.get(k) for k in keys)
 
 
-def _check_image_run(cfg: PPOConfig, source: str) -> None:
+def _check_image_run(cfg: PPOConfig, source: str, model_dir: Path) -> None:
     """Refuse the groups that read text only, for prompts with images."""
-    if cfg.uses_critic and cfg.critic.pretrain and not _vision_language(cfg.critic.pretrain):
+    if cfg.uses_critic and cfg.critic.pretrain and not _same_images(cfg.critic.pretrain, model_dir):
         raise ValueError(
-            f"{source}: prompts with images, but the critic (--critic.pretrain {cfg.critic.pretrain}) is "
-            "text-only; leave --critic.pretrain unset (the actor's model) or give a vision-language model"
+            f"{source}: prompts with images, but the critic (--critic.pretrain {cfg.critic.pretrain}) does "
+            "not read them as the actor's model does (text-only, or another model type or image token); "
+            "leave --critic.pretrain unset (the actor's model) or give a model of the actor's family"
         )
     if cfg.learner.sequence_parallel_size > 1:
         raise ValueError(
@@ -102,8 +111,7 @@ def _check_image_run(cfg: PPOConfig, source: str) -> None:
 
 
 def skipped_notes(cfg: PPOConfig, train: PromptSet, evals: PromptSet | None) -> list[str]:
-    """A line per prompt set that left prompts out for not fitting the context, and one when image prompts'
-    rows are padded though packing is on."""
+    """A line per prompt set that left prompts out for not fitting the context."""
     limit = cfg.rollout.max_model_len
     lines = []
     for name, ps in (("training", train), ("evaluation", evals)):

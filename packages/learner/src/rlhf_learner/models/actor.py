@@ -20,7 +20,12 @@ from rlhf_learner.models.loading import (
     zero_stage,
 )
 from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
-from rlhf_learner.models.vision import FROZEN_TOWER_MODULES, freeze_vision_tower, is_vision_language
+from rlhf_learner.models.vision import (
+    FROZEN_TOWER_MODULES,
+    check_vision_compile,
+    freeze_vision_tower,
+    is_vision_language,
+)
 
 if TYPE_CHECKING:
     from rlhf_learner.lora import LoraOptions
@@ -87,6 +92,7 @@ def load_causal_lm(
     options = options or ModelOptions()
     check_compile(options, ds_config)
     cfg = check_model_dir(path, need_tokenizer=False)
+    check_vision_compile(cfg, compile=options.compile)
     vision = is_vision_language(cfg)
     if options.liger and not vision:
         from liger_kernel.transformers import AutoLigerKernelForCausalLM

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from rlhf_learner.models.loading import attn_implementation
-from rlhf_learner.models.vision import is_vision_language, packed_mrope_positions
+from rlhf_learner.models.vision import IDS_ONLY_TYPES, is_vision_language, packed_mrope_positions
 from rlhf_learner.packing import for_kernel
 
 __all__ = ["ModelCall", "image_inputs", "kernel_layout", "model_call"]
@@ -53,8 +53,9 @@ def image_inputs(
     its ids, images and mask. Packed rows (``packed``: their restarting positions): each sequence's are
     computed here, and the keywords' ``position_ids`` are ``[4, R, L]``, the text positions before the three
     M-RoPE rows. A placeholder token outside ``mm_token_type_ids`` (one the policy sampled) is text: its id
-    is hidden from the model's image placement (0), and its mask is returned for :class:`ModelCall` to embed
-    it as the placeholder's text."""
+    is hidden from the model's image placement (0), and it is embedded as the placeholder's text, from
+    ``inputs_embeds`` given beside the ids or, for a model that takes one or the other
+    (:data:`IDS_ONLY_TYPES`), through :class:`ModelCall`'s hook (its mask is returned for that)."""
     if all(v is None for v in images.values()):
         return input_ids, {}, None
     if any(v is None for v in images.values()):
@@ -69,7 +70,10 @@ def image_inputs(
     sampled = (input_ids == int(model.config.image_token_id)) & (kinds == 0)
     if not sampled.any():
         return input_ids, kwargs, None
-    return input_ids.masked_fill(sampled, 0), kwargs, sampled
+    if getattr(model.config, "model_type", None) in IDS_ONLY_TYPES:
+        return input_ids.masked_fill(sampled, 0), kwargs, sampled
+    kwargs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
+    return input_ids.masked_fill(sampled, 0), kwargs, None
 
 
 @contextlib.contextmanager
@@ -78,10 +82,10 @@ def _embedded_as_placeholder(
 ) -> Iterator[None]:
     """While open, ``embedding``'s output at ``sampled`` is its output at the first ``image`` position: the
     image placeholder token's own embedding (the model places the image features after embedding)."""
-    first = int(image.flatten().nonzero()[0])
+    first = image.flatten().nonzero()[0]
 
     def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        own = out.reshape(-1, out.shape[-1])[first]
+        own = out.reshape(-1, out.shape[-1])[first.to(out.device)]
         return torch.where(sampled.to(out.device).unsqueeze(-1), own, out)
 
     handle = embedding.register_forward_hook(hook)

@@ -23,7 +23,12 @@ from rlhf_learner.models.loading import (
     zero3_construction,
 )
 from rlhf_learner.models.logprobs import shift_to_inputs
-from rlhf_learner.models.vision import check_vision_language, freeze_vision_tower, is_vision_language
+from rlhf_learner.models.vision import (
+    check_vision_compile,
+    check_vision_language,
+    freeze_vision_tower,
+    is_vision_language,
+)
 
 __all__ = [
     "Critic",
@@ -208,6 +213,7 @@ def _load_vision_value_model(
     from transformers import AutoModelForImageTextToText
 
     check_vision_language(cfg, where=f"model folder {str(path)!r}")
+    check_vision_compile(cfg, compile=options.compile)
     with zero3_construction(ds_config, cfg.get("model_type", "")):
         lm = AutoModelForImageTextToText.from_pretrained(
             str(path), dtype=options.torch_dtype, attn_implementation=options.attn_implementation

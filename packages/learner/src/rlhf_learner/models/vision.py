@@ -10,7 +10,9 @@ from torch import nn
 
 __all__ = [
     "FROZEN_TOWER_MODULES",
+    "IDS_ONLY_TYPES",
     "VISION_LANGUAGE_TYPES",
+    "check_vision_compile",
     "check_vision_language",
     "freeze_vision_tower",
     "is_vision_language",
@@ -21,6 +23,11 @@ __all__ = [
 VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """``model_type`` s whose image inputs (``pixel_values``, ``image_grid_thw``) and M-RoPE positions the
 learner handles, and which vLLM serves."""
+
+IDS_ONLY_TYPES = ("qwen3_vl",)
+"""``model_type`` s whose forward takes token ids or embeddings, not both: a placeholder token the policy
+sampled is embedded there through a hook on the input embeddings, which ``torch.compile`` would not see
+(their ``compile`` is refused)."""
 
 FROZEN_TOWER_MODULES = r".*\.visual\.(?!merger|deepstack_merger).*"
 """Module names of the vision tower but its projectors (the patch merger, and Qwen3-VL's deepstack
@@ -41,6 +48,15 @@ def check_vision_language(config: dict[str, Any], *, where: str) -> None:
         raise ValueError(
             f"{where}: vision-language model_type {kind!r} is not supported; supported: "
             f"{', '.join(VISION_LANGUAGE_TYPES)}"
+        )
+
+
+def check_vision_compile(config: dict[str, Any], *, compile: bool) -> None:
+    """Refuse ``compile`` for a model of :data:`IDS_ONLY_TYPES`, in one line."""
+    if compile and config.get("model_type") in IDS_ONLY_TYPES:
+        raise ValueError(
+            f"compile: not for model_type {config.get('model_type')!r} (a placeholder token the policy "
+            "samples is embedded through a hook that compiled code would skip)"
         )
 
 
@@ -86,26 +102,27 @@ def packed_mrope_positions(
     """``[3, R, L]`` M-RoPE positions of packed rows (``position_ids`` restart at 0 per sequence), each
     sequence's as the model computes them for it alone; its images are the next ones of ``image_grid_thw``
     (one per run of image tokens in ``mm_token_type_ids``, in row order)."""
+    if bool((position_ids[:, 0] != 0).any()):
+        raise ValueError("position_ids: packed image rows must start a sequence at column 0")
     build = _rope_index(model)
-    out = torch.zeros((3, *input_ids.shape), dtype=torch.long, device=input_ids.device)
-    kinds = mm_token_type_ids.long()
-    runs = (kinds == 1) & (torch.nn.functional.pad(kinds, (1, 0))[:, :-1] != 1)  # an image's first token
+    out = torch.zeros((3, *input_ids.shape), dtype=torch.long)
+    ids, kinds, positions = input_ids.cpu(), mm_token_type_ids.cpu().long(), position_ids.cpu()
     taken, width = 0, input_ids.shape[1]
-    starts = (position_ids == 0).nonzero().tolist()
+    starts = (positions == 0).nonzero().tolist()
     for k, (row, start) in enumerate(starts):
         end = starts[k + 1][1] if k + 1 < len(starts) and starts[k + 1][0] == row else width
-        span = slice(start, end)
-        images = int(runs[row, span].sum())
+        span = kinds[row, start:end]
+        images = int(((span == 1) & (torch.nn.functional.pad(span, (1, 0))[:-1] != 1)).sum())  # runs
         if images == 0:
-            out[:, row, span] = torch.arange(end - start, device=out.device)
+            out[:, row, start:end] = torch.arange(end - start)
             continue
         pos, _ = build(
-            input_ids=input_ids[row, span][None],
-            mm_token_type_ids=kinds[row, span][None],
-            image_grid_thw=image_grid_thw[taken : taken + images],
+            input_ids=ids[row, start:end][None],
+            mm_token_type_ids=span[None],
+            image_grid_thw=image_grid_thw[taken : taken + images].cpu(),
         )
-        out[:, row, span] = pos[:, 0]
+        out[:, row, start:end] = pos[:, 0]
         taken += images
     if taken != image_grid_thw.shape[0]:
         raise ValueError(f"image_grid_thw: {image_grid_thw.shape[0]} images, the rows hold {taken}")
-    return out
+    return out.to(input_ids.device)
