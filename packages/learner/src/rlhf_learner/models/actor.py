@@ -196,16 +196,15 @@ class Actor(nn.Module):
             if pixel_values is not None:
                 raise ValueError("pixel_values: image rows are not split for sequence parallelism")
             return self._ring_forward(input_ids, attention_mask, packed, return_entropy)
-        images = dict(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
-        )
         call = model_call(
             self.model,
             input_ids,
             attention_mask=attention_mask,
             packed=packed,
             positions=position_ids,
-            images=images,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
         )
         if return_aux_loss:
             if not hasattr(self.config, "output_router_logits"):

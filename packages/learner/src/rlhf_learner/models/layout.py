@@ -127,12 +127,17 @@ def model_call(
     attention_mask: torch.Tensor | None,
     packed: torch.Tensor | None,
     positions: torch.Tensor | None,
-    images: dict[str, torch.Tensor | None],
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
 ) -> ModelCall:
     """Rows (padded, or ``packed`` with their restarting positions) as ``model`` is called on them: laid out
-    for the attention kernel, with a vision-language model's positions and ``images`` (``pixel_values``,
-    ``image_grid_thw``, ``mm_token_type_ids``, all None for text)."""
-    pictured = images.get("pixel_values") is not None
+    for the attention kernel, with a vision-language model's positions and images (``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids``: all or none, none for text)."""
+    images = dict(
+        pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
+    )
+    pictured = pixel_values is not None
     ids, pos, model_pos, back = kernel_layout(model.config, input_ids, packed, positions, pictured=pictured)
     starts = pos if packed is not None else None
     model_ids, extra, sampled = image_inputs(model, ids, starts, images)

@@ -96,16 +96,15 @@ class Critic(nn.Module):
     ) -> torch.Tensor:
         packed = position_ids if attention_mask is None else None
         positions = input_positions(self.config, input_ids, attention_mask, position_ids)
-        images = dict(
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids
-        )
         call = model_call(
             self.model,
             input_ids,
             attention_mask=attention_mask,
             packed=packed,
             positions=positions,
-            images=images,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
         )
         trunk = call.run(self.model.base_model)
         return self.model.score(call.back(trunk.last_hidden_state)).squeeze(-1).float()
