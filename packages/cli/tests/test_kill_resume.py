@@ -67,6 +67,7 @@ def sft_flags(demo_model_dir, tmp_path_factory) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_sft_killed_mid_checkpoint_and_at_its_rank_ends_as_an_uninterrupted_run(
     rng, address, sft_flags, tmp_path
 ):
@@ -148,6 +149,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(sft_flags, tmp_path):
         assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_ppo_with_its_engine_killed_in_generate_and_its_rank_mid_checkpoint_ends_as_the_uninterrupted_run(
     rng, address, demo_model_dir, tmp_path
 ):
@@ -190,6 +192,7 @@ def test_ppo_with_its_engine_killed_in_generate_and_its_rank_mid_checkpoint_ends
     same_weights(run_dir / "final_model", tmp_path / "whole" / "final_model")
 
 
+@pytest.mark.slow
 def test_ppo_async_with_partial_rollout_replaces_an_engine_killed_while_generating(
     address, demo_model_dir, tmp_path
 ):

@@ -65,6 +65,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_dpo_resume_and_precomputed_reference(ray_cluster, demo_model_dir, data, tmp_path):
     flags = [
         *on(demo_model_dir, data / "preferences.jsonl"),
@@ -262,6 +263,7 @@ def test_lora_sft_adapter_merges_into_the_same_function(ray_cluster, demo_model_
             ray_cluster.kill(h, no_restart=True)
 
 
+@pytest.mark.slow
 def test_dpo_on_two_zero3_ranks_matches_one_rank_and_fsdp2(ray_cluster, demo_model_dir, data, tmp_path):
     """Data parallelism changes nothing but the speed: the loss is normalised over the whole step, so
     two ZeRO-3 ranks (policy and reference groups both sharded) reach one rank's losses; so do two ranks of

@@ -77,6 +77,7 @@ def test_readme_first_command_learns_the_builtin_task(tmp_path):
     assert len(metrics(run_dir)) == len(rows)
 
 
+@pytest.mark.slow
 def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path, capsys):
     """`rlhf ppo --algo.advantage.estimator distill` with no model given: the large demo model learns the
     task first (warm-up and GRPO) in run_dir/teacher, then teaches the small one; a resumed run finds that

@@ -359,6 +359,7 @@ def test_dr_grpo_with_a_multi_turn_agent(tmp_path, one_engine, demo_model_dir):
     assert all(1 <= r["extra/tries"] <= 2 for r in rows)  # the environment's extra_logs, --train.max_turns 2
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reaches_the_metrics_of_an_uninterrupted_one(tmp_path, one_engine, monkeypatch):
     """(Also: the split run is colocated (the hybrid engine's placement: actor and engines on one
     placement group's bundles, the memory schedule reporting that CPU engines cannot sleep), and the

@@ -38,6 +38,8 @@ from rlhf_testkit.commands import (
 )
 from rlhf_testkit.hosts import RayCluster
 
+pytestmark = pytest.mark.slow
+
 QUIET = ["--logger.progress", "false", "--logger.tensorboard", "false"]
 ACROSS = ["--ray.cpus_per_worker", "1"]  # host A (1 CPU) holds one rank; host B (2) a rank and the engine
 

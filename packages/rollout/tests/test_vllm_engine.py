@@ -73,6 +73,7 @@ def _changed_weights(hf_model, tiny_model_dir, folder):
     return changed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (GPU engines shard over Ray workers)")
 def test_a_cpu_engine_sharded_over_two_workers_samples_and_takes_new_weights_as_one_model(
     ray_cluster, hf_model, tiny_model_dir, tmp_path

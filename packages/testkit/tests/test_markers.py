@@ -63,3 +63,27 @@ def test_a_gpu_test_holds_the_suites_gpu_lock_and_others_do_not(pytester):
         """
     )
     pytester.runpytest("--strict-markers", "-p", "no:xdist").assert_outcomes(passed=2)
+
+
+def test_files_with_the_most_slow_tests_are_collected_first_each_kept_whole(pytester):
+    """The suite's order for ``--dist loadfile``: files by their number of ``slow`` tests, most first, ties
+    in their own order, and each file's tests together and in order."""
+    slow = "import pytest\n\n@pytest.mark.slow\ndef test_{0}a(): pass\n\ndef test_{0}b(): pass\n"
+    pytester.makepyfile(
+        test_a="def test_a1(): pass\n\ndef test_a2(): pass\n",
+        test_b=slow.format("b"),
+        test_c="import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_c1(): pass\n\ndef test_c2(): pass\n",
+        test_d=slow.format("d"),
+    )
+    result = pytester.runpytest("--collect-only", "-q", "-p", "no:xdist")
+    ids = [line for line in result.outlines if "::" in line]
+    assert [i.split("::")[1] for i in ids] == [
+        "test_c1",
+        "test_c2",
+        "test_ba",
+        "test_bb",
+        "test_da",
+        "test_db",
+        "test_a1",
+        "test_a2",
+    ]

@@ -4,7 +4,8 @@ Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`
 across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``); ``shared_processes``
 (hands what a test starts to a shared fixture). Markers: ``gpu`` tests are skipped
 when CUDA is absent, and run one at a time across the suite's processes (``gpu_lock``: they compare the
-device's free memory, and share one GPU); ``slow`` is registered for end-to-end tests.
+device's free memory, and share one GPU); ``slow`` marks end-to-end tests, and the files with the most
+of them run first (``slow_files_first``).
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
@@ -40,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_files_first(items)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
@@ -50,6 +52,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def slow_files_first(items: list[pytest.Item]) -> None:
+    """Order the tests file by file, the files with the most ``slow`` tests first (in place; a stable sort,
+    each file's tests kept together and in order). pytest-xdist's ``--dist loadfile`` hands files out in
+    this order (with ``--no-loadscope-reorder``), so the longest start first and the short ones fill the
+    end: the longest-first rule, which keeps a process from running one long file alone at the end."""
+    slow: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first.setdefault(path, i)
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (-slow[p := item.nodeid.split("::", 1)[0]], first[p]))
 
 
 GPU_LOCK = Path(tempfile.gettempdir()) / "rlhf-testkit-gpu.lock"
