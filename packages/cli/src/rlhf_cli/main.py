@@ -330,7 +330,7 @@ def demo_data(
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the model and tokenizer to.")],
     architecture: Annotated[
-        str, typer.Option(help="qwen2 or llama; with --vlm, qwen2_vl (the default) or qwen3_vl.")
+        str, typer.Option(help="qwen2 or llama; with --vlm, qwen2_vl (the default), qwen2_5_vl or qwen3_vl.")
     ] = "qwen2",
     layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,

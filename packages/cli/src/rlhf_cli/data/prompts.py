@@ -169,6 +169,11 @@ class PromptSet:
     encoder: ImageEncoder | None = None
     """The processor that built the image prompts (:class:`ImagePrompt` ids) and makes their pixels."""
 
+    @property
+    def has_images(self) -> bool:
+        """Some prompts show images."""
+        return any(getattr(ids, "images", ()) for ids in self.token_ids)
+
     @classmethod
     def from_records(
         cls,

@@ -1,4 +1,4 @@
-"""Build a tiny vision-language model (Qwen2-VL, or Qwen3-VL) with its tokenizer and processor offline,
+"""Build a tiny vision-language model (Qwen2-VL, Qwen2.5-VL or Qwen3-VL) with its tokenizer and processor offline,
 saved as a Hugging Face folder that transformers (``AutoProcessor``, ``AutoModelForImageTextToText``) and
 vLLM (CPU or GPU) load. Nothing is downloaded: the weights are random (seeded), the tokenizer is the tiny
 text model's byte-level BPE with the Qwen-VL vision tokens added, and the image processor keeps images
@@ -13,7 +13,7 @@ from rlhf_cli.demo.tiny_model import TinyModelSpec, build_tokenizer
 
 __all__ = ["TINY_VLM_TYPES", "VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm", "tiny_vlm_num_params"]
 
-TINY_VLM_TYPES = ("qwen2_vl", "qwen3_vl")
+TINY_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """The ``model_type`` s :func:`build_tiny_vlm` builds."""
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -33,7 +33,7 @@ VLM_CHAT_TEMPLATE = (
 
 
 def _config(tokenizer, *, vocab_size: int, model_type: str = "qwen2_vl"):
-    from transformers import Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = dict(
         zip(
@@ -68,6 +68,16 @@ def _config(tokenizer, *, vocab_size: int, model_type: str = "qwen2_vl"):
             patch_size=16, spatial_merge_size=2, deepstack_visual_indexes=[0], num_position_embeddings=64,
         )  # fmt: skip
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if (
+        model_type == "qwen2_5_vl"
+    ):  # windowed attention (56-pixel windows) in its first block, full in its last
+        vision = dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=lm.hidden_size,
+            patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
+        )  # fmt: skip
+        return Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=True, **ids, **special
+        )
     vision = dict(
         depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
     )
@@ -94,11 +104,13 @@ def tiny_vlm_num_params(*, vocab_size: int = 512) -> int:
 def build_tiny_vlm(
     path: str | Path, *, seed: int = 0, vocab_size: int = 512, model_type: str = "qwen2_vl"
 ) -> Path:
-    """Write a tiny random vision-language model (``model_type`` ``qwen2_vl``, about 0.6M parameters, or
-    ``qwen3_vl``), its tokenizer and processor to ``path`` and return it. The same ``seed`` always gives
+    """Write a tiny random vision-language model (``model_type`` ``qwen2_vl``, about 0.6M parameters,
+    ``qwen2_5_vl`` or ``qwen3_vl``), its tokenizer and processor to ``path`` and return it. The same ``seed`` always gives
     the same folder."""
     import torch
     from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
@@ -115,7 +127,11 @@ def build_tiny_vlm(
     tokenizer = _tokenizer(seed, vocab_size)
     torch.manual_seed(seed)
     config = _config(tokenizer, vocab_size=vocab_size, model_type=model_type)
-    kind = Qwen3VLForConditionalGeneration if model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
+    kind = {
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
+    }[model_type]
     model = kind(config).to(torch.float32)
     with torch.no_grad():  # larger than the default init, so that sampled text and log-probs vary
         for p in model.parameters():
@@ -130,7 +146,8 @@ def build_tiny_vlm(
         )
     else:
         images = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
-        processor = Qwen2VLProcessor(
+        family = Qwen2_5_VLProcessor if model_type == "qwen2_5_vl" else Qwen2VLProcessor
+        processor = family(
             image_processor=images, video_processor=Qwen2VLVideoProcessor(), tokenizer=tokenizer
         )
     processor.chat_template = VLM_CHAT_TEMPLATE

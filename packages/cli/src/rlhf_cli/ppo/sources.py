@@ -130,12 +130,19 @@ class _PlainFactory:
 
 
 def executor_factory(
-    cfg: PPOConfig, *, tokenizer: Any, encoder: ImageEncoder | None = None
+    cfg: PPOConfig, *, tokenizer: Any, encoder: ImageEncoder | None = None, images: bool = False
 ) -> ExecutorFactory:
     """``(engine, params) -> executor`` for the configured rollout. Files are loaded (and checked) here,
     before anything starts. Register the result's ``close`` to run when the run ends. ``encoder``: a
-    vision-language model's processor (an environment's feedback may then show images)."""
+    vision-language model's processor (an environment's feedback may then show images); ``images``: some
+    prompts show images (an OpenAI-API agent, whose calls carry text, is then refused)."""
     factory = _factory(cfg, tokenizer, encoder)
+    if images and isinstance(factory, OpenAIAgentFactory):
+        raise ValueError(
+            f"--train.agent_func_path: {str(cfg.train.agent_func_path)!r} defines {AGENT_FUNC} (an OpenAI-API "
+            "agent, whose calls carry text only), but the prompts show images; define make_env() or "
+            "reward_func instead"
+        )
     if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.capabilities.seeded_calls:
         raise ValueError(
             f"--rollout.seed_per_sample false seeds each engine call, but {cfg.train.agent_func_path} makes "
