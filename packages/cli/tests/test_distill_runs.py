@@ -50,6 +50,7 @@ def _run(flags: list[str], run_dir: Path, *more: str):
     return distill.run(build_config(DistillConfig, [*flags, "--logger.run_dir", str(run_dir), *more]))
 
 
+@pytest.mark.slow
 def test_each_divergence_brings_the_student_closer_to_its_teacher(ray_cluster, flags, tmp_path):
     """Forward KL, reverse KL, and JSD over the teacher's top 8 (plus the rest): the held-out divergence
     falls. Every socket the last run's processes listen on is loopback."""
@@ -81,6 +82,7 @@ def test_top_k_of_the_vocabulary_precomputed_once_equals_the_full_teacher_each_s
         assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_run_killed_at_its_teacher_resumes_to_the_uninterrupted_run(ray_cluster, flags, tmp_path):
     """The teacher's rank SIGKILLed while it scores a step's examples: the driver starts both groups again
     and resumes from the latest checkpoint itself (--train.max_restarts), and ends as the uninterrupted

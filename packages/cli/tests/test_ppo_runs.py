@@ -282,6 +282,7 @@ def test_grpo_on_fsdp2_reaches_deepspeeds_run_and_syncs_into_vllm(tmp_path, one_
         assert b["sync/logp_mismatch_max"] < 1e-4
 
 
+@pytest.mark.slow
 def test_sequence_and_tensor_parallel_actors_train_what_one_rank_trains(tmp_path, one_engine, demo_model_dir):
     """GRPO with the actor on two ranks of one sequence-parallel block (ring attention: each rank holds
     half of every packed row) and of one tensor-parallel block (AutoTP): the same samples, rewards and

@@ -84,7 +84,10 @@ def _critic_batch():
     )
 
 
-@pytest.mark.parametrize("feature", ["critic-head", "gradient-checkpointing", "lr-schedule", "compile"])
+@pytest.mark.parametrize(
+    "feature",
+    ["critic-head", "gradient-checkpointing", "lr-schedule", pytest.param("compile", marks=pytest.mark.slow)],
+)
 def test_fsdp2_features_reach_deepspeeds_losses(dist_single, tiny_model_dir, feature):
     """The same steps on the same batch under both backends (one rank, fp32): a critic's value head,
     gradient checkpointing, a warmup + cosine LR schedule, and a compiled model (LoRA, packing and ring

@@ -207,6 +207,7 @@ def test_ring_attention_group_travels_with_the_model_and_survives_copies(tiny_mo
     assert getattr(restored, _GROUP_ATTR).group is None
 
 
+@pytest.mark.slow
 def test_compiled_actor_matches_eager_on_packed_rows_of_changing_shape(tiny_model_dir):
     """``ModelOptions(compile=True)`` and ``Actor(compile=True)``: the same log-probs and gradients as the
     eager model, on packed rows whose count and width change between calls, from one dynamic graph for the
