@@ -360,6 +360,7 @@ def test_fsdp2_sft_reaches_deepspeeds_losses(ray_cluster, demo_model_dir, data, 
     assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(fsdp2.final_model).parameters()) > 0
 
 
+@pytest.mark.slow
 def test_fsdp2_resumes_on_the_same_and_on_another_number_of_ranks(
     ray_cluster, demo_model_dir, data, tmp_path
 ):

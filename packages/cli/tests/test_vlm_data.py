@@ -393,20 +393,13 @@ def test_an_openai_api_agent_on_image_prompts_is_refused_before_start(tmp_path, 
     data = _write(tmp_path / "p.jsonl", [{"input": "<image>?", "label": 1, "images": "ok.png"}])
     agent = tmp_path / "agent.py"
     agent.write_text("async def run_agent(*, base_url, api_key, prompt, label):\n    return 1.0\n")
-    flags = ["--actor.pretrain", str(vlm_dir), "--data.path", str(data)]
-    with pytest.raises(ValueError) as caught:
-        plan(build_config(PPOConfig, [*flags, "--train.agent_func_path", str(agent)]))
-    assert str(caught.value) == (
-        f"--train.agent_func_path: {str(agent)!r} defines run_agent (an OpenAI-API agent, whose calls carry "
-        "text only), but the prompts show images; define make_env() or reward_func instead"
-    )
-    text = _write(tmp_path / "t.jsonl", [{"input": "hi", "label": 1}])  # the same agent on text: accepted
-    flags = [
-        "--actor.pretrain",
-        str(vlm_dir),
-        "--data.path",
-        str(text),
-        "--train.agent_func_path",
-        str(agent),
-    ]
-    assert plan(build_config(PPOConfig, flags)).notes
+    text = _write(tmp_path / "t.jsonl", [{"input": "hi", "label": 1}])
+    flags = ["--actor.pretrain", str(vlm_dir), "--train.agent_func_path", str(agent)]
+    for given in (["--data.path", str(data)], ["--data.path", str(text), "--eval.path", str(data)]):
+        with pytest.raises(ValueError) as caught:
+            plan(build_config(PPOConfig, [*flags, *given]))
+        assert str(caught.value) == (
+            f"--train.agent_func_path: {str(agent)!r} defines run_agent (an OpenAI-API agent, whose calls "
+            "carry text only), but the prompts show images; define make_env() or reward_func instead"
+        ), given
+    assert plan(build_config(PPOConfig, [*flags, "--data.path", str(text)])).notes  # on text: accepted

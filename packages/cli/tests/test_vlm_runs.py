@@ -193,7 +193,7 @@ def reward_func(queries, prompts, labels, **_):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_qwen2_5_and_qwen3_vl_train_through_vllm_with_their_tower_and_the_engines_log_probs_equal_the_learners(
+def test_qwen2_5_and_qwen3_vl_train_through_vllm_with_their_tower_the_engines_log_probs_the_learners(
     tmp_path, model_type
 ):
     """A tiny Qwen2.5-VL (windowed vision attention) and a tiny Qwen3-VL (deepstack features, embeddings

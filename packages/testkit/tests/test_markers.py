@@ -65,25 +65,20 @@ def test_a_gpu_test_holds_the_suites_gpu_lock_and_others_do_not(pytester):
     pytester.runpytest("--strict-markers", "-p", "no:xdist").assert_outcomes(passed=2)
 
 
-def test_files_with_the_most_slow_tests_are_collected_first_each_kept_whole(pytester):
-    """The suite's order for ``--dist loadfile``: files by their number of ``slow`` tests, most first, ties
-    in their own order, and each file's tests together and in order."""
-    slow = "import pytest\n\n@pytest.mark.slow\ndef test_{0}a(): pass\n\ndef test_{0}b(): pass\n"
+def test_files_with_the_most_slow_tests_run_first_each_kept_whole(pytester):
+    """The suite's order under ``-n --dist loadfile --no-loadscope-reorder``: files by their number of
+    ``slow`` tests, most first (xdist's own order, most tests first, would start with test_a), and each
+    file's tests together and in their order (test_d's slow test stays second)."""
+    plain = "def test_{0}1(): pass\n\ndef test_{0}2(): pass\n"
     pytester.makepyfile(
-        test_a="def test_a1(): pass\n\ndef test_a2(): pass\n",
-        test_b=slow.format("b"),
-        test_c="import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_c1(): pass\n\ndef test_c2(): pass\n",
-        test_d=slow.format("d"),
+        test_a=plain.format("a") + "\ndef test_a3(): pass\n",
+        test_b="import pytest\n\n@pytest.mark.slow\ndef test_b1(): pass\n",
+        test_c="import pytest\n\npytestmark = pytest.mark.slow\n\n" + plain.format("c"),
+        test_d="import pytest\n\ndef test_d1(): pass\n\n@pytest.mark.slow\ndef test_d2(): pass\n",
     )
-    result = pytester.runpytest("--collect-only", "-q", "-p", "no:xdist")
-    ids = [line for line in result.outlines if "::" in line]
-    assert [i.split("::")[1] for i in ids] == [
-        "test_c1",
-        "test_c2",
-        "test_ba",
-        "test_bb",
-        "test_da",
-        "test_db",
-        "test_a1",
-        "test_a2",
-    ]
+    want = ["c1", "c2", "b1", "d1", "d2", "a1", "a2", "a3"]
+    collected = pytester.runpytest("--collect-only", "-q", "-p", "no:xdist").outlines
+    assert [line.split("::test_")[1] for line in collected if "::" in line] == want
+    ran = pytester.runpytest_subprocess("-n", "1", "--dist", "loadfile", "--no-loadscope-reorder", "-v")
+    ran.assert_outcomes(passed=8)
+    assert [line.split("::test_")[1].split()[0] for line in ran.outlines if "PASSED" in line] == want

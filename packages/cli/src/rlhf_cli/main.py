@@ -335,11 +335,11 @@ def tiny_model(
     layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
     vlm: Annotated[
-        bool, typer.Option(help="A tiny vision-language model (Qwen2-VL, or Qwen3-VL) with its processor.")
+        bool, typer.Option(help="A tiny vision-language model (Qwen2-VL, 2.5-VL or 3-VL) with its processor.")
     ] = False,
 ) -> None:
     """Build a tiny random causal LM + tokenizer offline (for demos and smoke runs), or with --vlm a tiny
-    Qwen2-VL (or Qwen3-VL) with its tokenizer and image processor."""
+    Qwen2-VL (or Qwen2.5-VL, Qwen3-VL) with its tokenizer and image processor."""
     if vlm:
         from rlhf_cli.demo.tiny_vlm import TINY_VLM_TYPES, build_tiny_vlm
 

@@ -4,8 +4,8 @@ Fixtures: ``tiny_model_dir`` (a session-wide tiny Qwen2 folder); ``two_host_ray`
 across two test hosts, network namespaces on a veth link: ``rlhf_testkit.hosts``); ``shared_processes``
 (hands what a test starts to a shared fixture). Markers: ``gpu`` tests are skipped
 when CUDA is absent, and run one at a time across the suite's processes (``gpu_lock``: they compare the
-device's free memory, and share one GPU); ``slow`` marks end-to-end tests, and the files with the most
-of them run first (``slow_files_first``).
+device's free memory, and share one GPU); ``slow`` marks tests that take about a minute or more, and the
+files with the most of them run first (``slow_files_first``).
 
 Every test is checked for processes it leaves behind, orphans included (``leftovers``): a test that
 started a process which is still running 30 s after the test (and its fixtures of the same scope) ended
@@ -36,7 +36,7 @@ such a fixture up late, e.g. through ``request.getfixturevalue``)."""
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped when no CUDA device is present")
-    config.addinivalue_line("markers", "slow: end-to-end, takes minutes")
+    config.addinivalue_line("markers", "slow: takes about a minute or more (end-to-end runs, mostly)")
     become_subreaper()
 
 

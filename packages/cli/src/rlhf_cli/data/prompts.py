@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.data.images import IMAGE_PLACEHOLDER, ImageEncoder, count_placeholders, row_images
+from rlhf_rollout import prompt_images
 
 __all__ = [
     "PromptCursor",
@@ -172,7 +173,7 @@ class PromptSet:
     @property
     def has_images(self) -> bool:
         """Some prompts show images."""
-        return any(getattr(ids, "images", ()) for ids in self.token_ids)
+        return any(prompt_images(ids) for ids in self.token_ids)
 
     @classmethod
     def from_records(

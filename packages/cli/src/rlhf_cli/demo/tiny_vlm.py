@@ -1,6 +1,6 @@
-"""Build a tiny vision-language model (Qwen2-VL, Qwen2.5-VL or Qwen3-VL) with its tokenizer and processor offline,
-saved as a Hugging Face folder that transformers (``AutoProcessor``, ``AutoModelForImageTextToText``) and
-vLLM (CPU or GPU) load. Nothing is downloaded: the weights are random (seeded), the tokenizer is the tiny
+"""Build a tiny vision-language model (Qwen2-VL, Qwen2.5-VL or Qwen3-VL) with its tokenizer and processor
+offline, saved as a Hugging Face folder that transformers (``AutoProcessor``,
+``AutoModelForImageTextToText``) and vLLM (CPU or GPU) load. Nothing is downloaded: the weights are random (seeded), the tokenizer is the tiny
 text model's byte-level BPE with the Qwen-VL vision tokens added, and the image processor keeps images
 small (4 to 16 image tokens each)."""
 
@@ -68,9 +68,7 @@ def _config(tokenizer, *, vocab_size: int, model_type: str = "qwen2_vl"):
             patch_size=16, spatial_merge_size=2, deepstack_visual_indexes=[0], num_position_embeddings=64,
         )  # fmt: skip
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-    if (
-        model_type == "qwen2_5_vl"
-    ):  # windowed attention (56-pixel windows) in its first block, full in its last
+    if model_type == "qwen2_5_vl":  # windowed attention (56-pixel windows) in block 0, full in block 1
         vision = dict(
             depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=lm.hidden_size,
             patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
@@ -105,8 +103,8 @@ def build_tiny_vlm(
     path: str | Path, *, seed: int = 0, vocab_size: int = 512, model_type: str = "qwen2_vl"
 ) -> Path:
     """Write a tiny random vision-language model (``model_type`` ``qwen2_vl``, about 0.6M parameters,
-    ``qwen2_5_vl`` or ``qwen3_vl``), its tokenizer and processor to ``path`` and return it. The same ``seed`` always gives
-    the same folder."""
+    ``qwen2_5_vl`` or ``qwen3_vl``), its tokenizer and processor to ``path`` and return it. The same
+    ``seed`` always gives the same folder."""
     import torch
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,

@@ -70,16 +70,17 @@ def _check_inputs(cfg: PPOConfig) -> list[str]:
         model_dir = resolve_model(cfg.actor.pretrain, Path(tmp), cfg.train.demo_model)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         train_set, eval_set = load_prompts(cfg, tokenizer, model_dir)  # says what it skipped
-        images = _shows_images(train_set, eval_set)
-        executor_factory(cfg, tokenizer=tokenizer, encoder=train_set.encoder, images=images).close()
+        _executors(cfg, tokenizer, train_set, eval_set).close()
     longest = max(len(p) for p in train_set.token_ids)  # an image prompt's ids hold its image tokens
     read = [f"inputs: {len(train_set.token_ids)} training prompts (the longest {longest} tokens)"]
     read += [f"{len(eval_set.token_ids)} evaluation prompts"] if eval_set else []
     return [", ".join(read) + " read; the reward source loaded"]
 
 
-def _shows_images(train_set: PromptSet, eval_set: PromptSet | None) -> bool:
-    return train_set.has_images or (eval_set is not None and eval_set.has_images)
+def _executors(cfg: PPOConfig, tokenizer: Any, train_set: PromptSet, eval_set: PromptSet | None) -> Any:
+    """The run's executor factory (``executor_factory``), told whether any prompt shows images."""
+    images = train_set.has_images or (eval_set is not None and eval_set.has_images)
+    return executor_factory(cfg, tokenizer=tokenizer, encoder=train_set.encoder, images=images)
 
 
 def _plan_for(cfg: PPOConfig, resources: ClusterResources, sizes: ModelSizes) -> Plan:
@@ -211,9 +212,7 @@ def run(cfg: PPOConfig, *, engines: EngineClient | None = None) -> PPOResult:
     tokenizer = AutoTokenizer.from_pretrained(str(setup.model_dir))
     train_set, eval_set = load_prompts(cfg, tokenizer, setup.model_dir)
     setup.check_resume(total_steps=cfg.train.num_steps, data_size=len(train_set.token_ids))
-    executors = executor_factory(  # loads user files now
-        cfg, tokenizer=tokenizer, encoder=train_set.encoder, images=_shows_images(train_set, eval_set)
-    )
+    executors = _executors(cfg, tokenizer, train_set, eval_set)  # loads user files now
     with setup.start() as r:
         r.stop_at_exit(executors.close)  # an OpenAI-API agent's server; nothing for the others
         stages = StageSettings.of(cfg)  # what each stage reads of the configuration

@@ -139,9 +139,9 @@ def executor_factory(
     factory = _factory(cfg, tokenizer, encoder)
     if images and isinstance(factory, OpenAIAgentFactory):
         raise ValueError(
-            f"--train.agent_func_path: {str(cfg.train.agent_func_path)!r} defines {AGENT_FUNC} (an OpenAI-API "
-            "agent, whose calls carry text only), but the prompts show images; define make_env() or "
-            "reward_func instead"
+            f"--train.agent_func_path: {str(cfg.train.agent_func_path)!r} defines {AGENT_FUNC} (an "
+            "OpenAI-API agent, whose calls carry text only), but the prompts show images; define make_env() "
+            "or reward_func instead"
         )
     if factory.per_episode and not cfg.rollout.seed_per_sample and cfg.rollout.capabilities.seeded_calls:
         raise ValueError(
