@@ -191,13 +191,14 @@ def test_rows_with_and_without_images_on_sharded_ranks_are_refused_before_start(
     )
 
 
-def _sequences(encoder):
-    """Three sequences of different lengths and image sizes; the last response holds a placeholder token."""
+def _sequences(encoder, side: int = 56):
+    """Three sequences of different lengths and image sizes (``side`` pixels high, 1, 1.5 and 2 times as
+    wide); the last response holds a placeholder token."""
     from rlhf_cli.demo import shapes
 
     out = []
     for k, r in enumerate(shapes.records(seed=5, count=3)):
-        images = [r.images[0].resize((56 + 28 * k, 56))]
+        images = [r.images[0].resize((side + side // 2 * k, side))]
         prompt = encoder.prompt(r.prompt, images)
         response = [40 + k] * (3 + 2 * k) + ([encoder.image_token_id, 41] if k == 2 else [])
         ids = torch.tensor([*prompt, *response])
@@ -304,20 +305,12 @@ def test_qwen2_5_and_qwen3_vl_rows_packed_and_padded_give_each_sequence_its_own_
     a sampled placeholder token is text."""
     from rlhf_cli.data.batches import to_rows
     from rlhf_cli.data.images import ImageEncoder
-    from rlhf_cli.demo import shapes
     from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
     from rlhf_learner.models import Actor, load_causal_lm, load_critic
 
     model_dir = build_tiny_vlm(tmp_path / model_type, model_type=model_type)
     encoder = ImageEncoder.for_model(model_dir)
-    seqs = []
-    for k, r in enumerate(shapes.records(seed=5, count=3)):
-        images = [r.images[0].resize((64 + 32 * k, 64))]
-        prompt = encoder.prompt(r.prompt, images)
-        response = [40 + k] * (3 + 2 * k) + ([encoder.image_token_id, 41] if k == 2 else [])
-        ids = torch.tensor([*prompt, *response])
-        sampled = torch.tensor([False] * len(prompt) + [True] * len(response))
-        seqs.append((ids, encoder.inputs(images, ids, sampled)))
+    seqs = [(ids, images) for ids, _, images in _sequences(encoder, side=64)]  # 16-pixel patches fit 64
     seqs.append((torch.tensor([3] + [40 + k % 20 for k in range(119)]), None))  # image rows share a row
     actor, critic = Actor(load_causal_lm(model_dir)).eval(), load_critic(model_dir).eval()
     _assert_sampled_placeholder_read_as_text(model_dir, actor, *seqs[2], encoder.image_token_id)
