@@ -3,13 +3,16 @@ each field aligned with them, and the batches survive pickling (they cross Ray t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import pickle
+import types
 
 import pytest
 import torch
 from rlhf_cli.data.batches import (
     Sample,
+    TeacherTargets,
     dpo_batch,
     kto_batch,
     policy_batch,
@@ -94,6 +97,32 @@ def test_policy_and_value_batches_carry_every_sample_field(packing):
         torch.testing.assert_close(got, s.values)
     for got, s in zip(_rows_of(value, "returns", IDS), SAMPLES, strict=True):
         torch.testing.assert_close(got, s.returns)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_teacher_targets_follow_their_tokens_into_the_rows(packing):
+    """Dense distillation: the teacher's top-k row of each action token lands, in the batch's row-major
+    order of action tokens, where that token does (packing may move the sequences)."""
+    samples = [dataclasses.replace(s) for s in SAMPLES]
+    for k, s in enumerate(samples):
+        tag = (torch.arange(s.response_length, dtype=torch.int32) + 100 * k)[:, None].expand(-1, 3)
+        s.teacher_top = TeacherTargets(logp=-tag.float(), ids=tag.clone())
+    batch = policy_batch(samples, packing=packing, with_ref=False, with_rollout=False)
+    assert batch.teacher_ids.shape == (sum(s.response_length for s in samples), 3)
+    placed = torch.full(batch.action_mask.shape, -1, dtype=torch.int32)
+    placed[batch.action_mask.bool()] = batch.teacher_ids[:, 0]
+    layout = types.SimpleNamespace(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)})
+    layout.placed = placed
+    for k, (got, s) in enumerate(zip(_rows_of(layout, "placed", IDS), samples, strict=True)):
+        assert got[s.action_mask].tolist() == list(range(100 * k, 100 * k + s.response_length))
+        assert (got[~s.action_mask] == -1).all()
+    torch.testing.assert_close(batch.teacher_logp, -batch.teacher_ids.float())
+    samples[1].teacher_top = None
+    with pytest.raises(ValueError, match="some samples have teacher targets"):
+        policy_batch(samples, packing=packing, with_ref=False, with_rollout=False)
+    samples[1].teacher_top = TeacherTargets(logp=torch.zeros(1, 3), ids=torch.zeros(1, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="teacher targets of sequence 1: 1 rows for its 2 target tokens"):
+        policy_batch(samples, packing=packing, with_ref=False, with_rollout=False)
 
 
 def test_a_sample_missing_a_field_is_named():

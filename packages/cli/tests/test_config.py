@@ -690,3 +690,25 @@ def test_a_teacher_is_planned_as_a_frozen_group_and_its_inputs_are_checked(tmp_p
     # with a teacher the student's log-probs come from the learner: the old-policy forward always runs
     cfg = build_config(PPOConfig, ["--actor.pretrain", "m", "--teacher.pretrain", "t", "--algo.kl.coef", "0"])
     assert cfg.distills and not cfg.exactly_on_policy
+    # dense distillation: a teacher, the loss with top_k, at most the vocabulary
+    assert error_line(run_cli(*model, "--algo.distill.top_k", "8")) == (
+        "error: --algo.distill.top_k: dense distillation needs a teacher (--teacher.pretrain)"
+    )
+    teacher = ["--teacher.pretrain", str(demo_model_dir)]
+    assert "loss, beta: used with --algo.distill.top_k only" in error_line(
+        run_cli(*model, *teacher, "--algo.distill.loss", "forward_kl")
+    )
+    assert error_line(run_cli(*model, *teacher, "--algo.distill.top_k", "100000")).startswith(
+        "error: --algo.distill.top_k 100000: more than the model's vocabulary of"
+    )
+    assert run_cli(*model, *teacher, "--algo.distill.top_k", "8").exit_code == 0
+    split = ("--learner.sequence_parallel_size", "2", "--actor.num_devices_per_node", "2")
+    split += ("--teacher.num_devices_per_node", "2", "--ray.num_cpus", "4")
+    assert error_line(run_cli(*model, *teacher, "--algo.distill.top_k", "8", *split)) == (
+        "error: --algo.distill.top_k with --learner.sequence_parallel_size 2: each rank holds a part of a "
+        "sequence, not its whole next-token distributions; set it to 1"
+    )
+    demo = ["--algo.advantage.estimator", "distill"]  # the demo: dense over the top 16 unless told
+    assert build_config(PPOConfig, demo).algo.distill.top_k == 16
+    assert build_config(PPOConfig, [*demo, "--algo.distill.top_k", "null"]).algo.distill.top_k is None
+    assert build_config(PPOConfig, ["--actor.pretrain", "m", *teacher, *demo]).algo.distill.top_k is None

@@ -542,19 +542,25 @@ def other_teacher(tmp_path_factory, demo_model_dir):
     return folder
 
 
+DENSE = ["--algo.distill.top_k", "16"]
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sampled", "dense"])
 def test_distilling_from_a_teacher_that_is_the_student_has_nothing_to_learn(
-    tmp_path, one_engine, demo_model_dir
+    tmp_path, one_engine, demo_model_dir, dense
 ):
     """On-policy distillation alone (no reward) with the student's own weights as the teacher: the reverse
-    KL and every advantage are 0."""
+    KL and every advantage are 0, and so is the dense term (``--algo.distill.top_k``) at the first step.
+    (Its gradient is 0 only up to rounding, the teacher scoring padded rows and the actor packed ones, and
+    Adam scales that up to a step: from the second step on the student is no longer its teacher.)"""
     flags = ["--actor.pretrain", str(demo_model_dir), "--teacher.pretrain", str(demo_model_dir)]
-    result = ppo(
-        tmp_path / "run", one_engine, *flags, "--algo.advantage.estimator", "distill", "--algo.kl.coef", "0"
-    )
-    rows = check_run(result)
+    flags += ["--algo.advantage.estimator", "distill", "--algo.kl.coef", "0", *(DENSE if dense else [])]
+    rows = check_run(ppo(tmp_path / "run", one_engine, *flags))
     for r in rows:
-        assert abs(r["distill/reverse_kl"]) < 1e-5 and r["advantages/abs_mean"] < 1e-5, r
-        assert r["time/teacher"] > 0
+        assert r["advantages/abs_mean"] < 1e-5 and r["time/teacher"] > 0, r
+        assert ("actor/distill" in r) == dense, r
+    for r in rows[:1] if dense else rows:
+        assert abs(r["distill/reverse_kl"]) < 1e-5 and abs(r.get("actor/distill", 0.0)) < 1e-5, r
 
 
 def exact_reverse_kl(student_dir, teacher_dir, prompts: list[list[int]]) -> float:
@@ -571,9 +577,11 @@ def exact_reverse_kl(student_dir, teacher_dir, prompts: list[list[int]]) -> floa
     return float((s.exp() * (s - t)).sum(-1).mean())
 
 
-def test_a_student_moves_towards_its_teacher(tmp_path, one_engine, demo_model_dir, other_teacher):
+@pytest.mark.parametrize("dense", [False, True], ids=["sampled", "dense"])
+def test_a_student_moves_towards_its_teacher(tmp_path, one_engine, demo_model_dir, other_teacher, dense):
     """Distillation alone from a teacher with other weights, a few steps: the student's reverse KL to the
-    teacher on held-out prompts (over the whole vocabulary) falls."""
+    teacher on held-out prompts (over the whole vocabulary) falls; by the sampled-token advantage, or by
+    the dense term over the teacher's top k."""
     from rlhf_cli.demo import task
     from transformers import AutoTokenizer
 
@@ -581,7 +589,7 @@ def test_a_student_moves_towards_its_teacher(tmp_path, one_engine, demo_model_di
     held_out = [tokenizer(r.prompt)["input_ids"] for r in task.records(seed=123)[:48]]
     flags = ["--actor.pretrain", str(demo_model_dir), "--teacher.pretrain", str(other_teacher)]
     flags += ["--algo.advantage.estimator", "distill", "--algo.kl.coef", "0", "--train.num_steps", "6"]
-    result = ppo(tmp_path / "run", one_engine, *flags, "--actor.lr", "5e-3")
+    result = ppo(tmp_path / "run", one_engine, *flags, "--actor.lr", "5e-3", *(DENSE if dense else []))
     check_run(result, steps=6)
     before = exact_reverse_kl(demo_model_dir, other_teacher, held_out)
     after = exact_reverse_kl(result.final_model, other_teacher, held_out)

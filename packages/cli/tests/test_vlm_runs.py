@@ -134,8 +134,9 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uni
 ):
     """A multi-turn environment answers with an image; the vision tower trains and its weights reach the
     engine (every step's samples have the learner's log-probs); a critic on the same model (GAE) values the
-    images' sequences. A rank SIGKILLed after the step-2 checkpoint is started again from it, and
-    the run ends with the uninterrupted run's metrics and weights."""
+    images' sequences, and a teacher (the starting model) adds dense distillation's term on the policy's
+    tokens. A rank SIGKILLed after the step-2 checkpoint is started again from it, and the run ends with
+    the uninterrupted run's metrics and weights."""
     from rlhf_cli.demo import shapes
 
     colours = {r.label: shapes.COLOURS[r.label] for r in shapes.records(seed=0) if r.label in shapes.COLOURS}
@@ -159,6 +160,7 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uni
             "4",
         ),
         *("--algo.advantage.estimator", "gae", "--ckpt.save_steps", "2"),  # a critic on the images too
+        *("--teacher.pretrain", str(vlm_dir), "--algo.distill.top_k", "8", "--algo.distill.coef", "0.5"),
     ]
     whole = _ppo(tmp_path / "whole", vlm_engine, *flags, "--train.num_steps", "4")
     killer = _KillARankAfterStep2(tmp_path / "split", kill_steps_rng())
@@ -176,6 +178,7 @@ def test_an_agent_shown_images_trains_the_tower_and_a_critic_and_heals_as_an_uni
     assert training_metrics(split.run_dir) == untimed
     assert all(r["sync/logp_mismatch_max"] < ALIGNED and r["extra/images_shown"] == 1.0 for r in untimed)
     assert len({r["critic/value_loss"] for r in untimed}) == len(untimed)  # the critic trains on them
+    assert untimed[0]["actor/distill"] < 1e-5 < untimed[-1]["actor/distill"]  # the student leaves it
     final = load_file(next(whole.final_model.glob("*.safetensors")))
     assert final.keys() == load_file(next(split.final_model.glob("*.safetensors"))).keys()
     for name, value in load_file(next(split.final_model.glob("*.safetensors"))).items():

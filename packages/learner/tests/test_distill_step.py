@@ -1,5 +1,6 @@
-"""Offline distillation: the teacher's top-k distributions, and the step that moves a student towards them
-(real DeepSpeed engines on a gloo group of one; the divergence from rlhf-algos, as the CLI binds it)."""
+"""Distillation: the teacher's top-k distributions, the offline step that moves a student towards them, and
+the PPO step's dense term (real DeepSpeed engines on a gloo group of one; the divergence from rlhf-algos,
+as the CLI binds it)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ import functools
 
 import pytest
 import torch
-from rlhf_algos import token_divergence, with_rest
+from rlhf_algos import aggregate_loss, policy_loss, token_divergence, with_rest
 from rlhf_learner.models import Actor, load_causal_lm, load_reference
 from rlhf_learner.packing import pack_sequences
-from rlhf_learner.steps import DistillBatch, ModelRows, distill_step, teacher_distributions
+from rlhf_learner.steps import (
+    DistillBatch,
+    ModelRows,
+    PolicyBatch,
+    distill_step,
+    ppo_actor_step,
+    teacher_distributions,
+)
 from rlhf_learner.strategy import Strategy, StrategyOptions
 from rlhf_testkit import TinyModelSpec, build_tiny_model
 
@@ -129,3 +137,80 @@ def test_packed_rows_give_the_padded_rows_loss(dist_single, tiny_model_dir, teac
         fn = functools.partial(distill_step, divergence_fn=_divergence("forward_kl"))
         losses.append(fn(engine, [_batch(teacher, rows, 32)]).loss)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def _policy_batch(teacher, rows: dict, top_k: int | None) -> PolicyBatch:
+    """A PPO micro-batch of ``rows`` with zero advantages (the dense term alone) and the teacher's targets."""
+    targets = _batch(teacher, rows, top_k)
+    mask = rows["loss_mask"]
+    layout = {k: v for k, v in rows.items() if k != "loss_mask"}
+    return PolicyBatch(
+        **layout,
+        action_mask=mask,
+        advantages=torch.zeros(mask.shape),
+        teacher_logp=targets.teacher_logp,
+        teacher_ids=targets.teacher_ids,
+    )
+
+
+def _ppo_dense(engine, batches, loss: str = "reverse_kl"):
+    return ppo_actor_step(
+        engine,
+        batches,
+        policy_loss_fn=policy_loss,
+        aggregate_fn=functools.partial(aggregate_loss, mode="token-mean"),
+        distill_fn=_divergence(loss),
+        distill_coef=1.0,
+    )
+
+
+def test_the_ppo_steps_dense_term_is_the_offline_steps_loss_packed_or_padded(
+    dist_single, tiny_model_dir, teacher_dir
+):
+    """With zero advantages and coefficient 1, the PPO step's loss is offline distillation's on the same
+    tokens: the student's log-probs are gathered at the teacher's tokens of the right positions, packed or
+    padded."""
+    teacher = load_reference(teacher_dir)
+    seqs = _seqs(7)
+    packed = pack_sequences(seqs, max_tokens_per_row=16).tensors
+    offline = distill_step(
+        _engine(tiny_model_dir, sgd=True),
+        [_batch(teacher, _padded(seqs), 16)],
+        divergence_fn=_divergence("reverse_kl"),
+    )
+    for rows in (_padded(seqs), packed):
+        res = _ppo_dense(_engine(tiny_model_dir, sgd=True), [_policy_batch(teacher, rows, 16)])
+        assert res.loss == pytest.approx(offline.loss, rel=1e-5)
+        assert res.metrics["distill"] == pytest.approx(offline.loss, rel=1e-5)
+
+
+def test_the_ppo_steps_dense_term_moves_the_student_and_is_zero_for_the_teacher_itself(
+    dist_single, tiny_model_dir, teacher_dir
+):
+    rows = _padded(_seqs(8))
+    engine = _engine(tiny_model_dir)
+    batch = _policy_batch(load_reference(teacher_dir), rows, 32)
+    results = [_ppo_dense(engine, [batch]) for _ in range(8)]
+    assert results[-1].metrics["distill"] < 0.5 * results[0].metrics["distill"]
+    itself = _engine(tiny_model_dir, sgd=True)
+    before = {k: v.clone() for k, v in itself.module.state_dict().items()}
+    res = _ppo_dense(itself, [_policy_batch(load_reference(tiny_model_dir), rows, None)], loss="jsd")
+    assert abs(res.metrics["distill"]) < 1e-6
+    for k, v in itself.module.state_dict().items():
+        torch.testing.assert_close(v, before[k], atol=1e-6, rtol=0)
+
+
+def test_dense_targets_are_checked(dist_single, tiny_model_dir, teacher_dir):
+    rows = _padded(_seqs(9))
+    batch = _policy_batch(load_reference(teacher_dir), rows, 4)
+    with pytest.raises(ValueError, match="teacher_logp and teacher_ids: give both or neither"):
+        PolicyBatch(**{**batch.__dict__, "teacher_ids": None})
+    with pytest.raises(ValueError, match=r"expected \(\d+, K\) each"):
+        PolicyBatch(
+            **{**batch.__dict__, "teacher_logp": batch.teacher_logp[1:], "teacher_ids": batch.teacher_ids[1:]}
+        )
+    bare = PolicyBatch(**{**batch.__dict__, "teacher_logp": None, "teacher_ids": None})
+    with pytest.raises(
+        ValueError, match=r"micro_batches\[0\].teacher_logp / teacher_ids: needed by distill_fn"
+    ):
+        _ppo_dense(_engine(tiny_model_dir), [bare])

@@ -38,6 +38,7 @@ from rlhf_learner.steps import (
     reward_model_step,
     sft_step,
     teacher_distributions,
+    top_tokens,
 )
 from rlhf_learner.strategy import Strategy, StrategyOptions, build_ds_config, gather_params, init_distributed
 
@@ -82,5 +83,6 @@ __all__ = [
     "save_adapter",
     "sft_step",
     "teacher_distributions",
+    "top_tokens",
     "unpack",
 ]

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-from rlhf_algos import ADVANTAGE_ESTIMATORS, ISCorrection, KLEstimator, LossAggregation, RatioType
+from rlhf_algos import (
+    ADVANTAGE_ESTIMATORS,
+    DistillLoss,
+    ISCorrection,
+    KLEstimator,
+    LossAggregation,
+    RatioType,
+)
 from rlhf_rollout import reworded
 from rlhf_rollout.rewards import import_python_file
 
@@ -172,9 +179,26 @@ class OverlongConfig(Section):
 class DistillConfig(Section):
     coef: float = Field(1.0, ge=0)
     """Weight of the teacher's per-token advantage (its log-prob minus the policy's, rlhf_algos'
-    distill_advantages), added to the estimator's; --teacher.pretrain switches it on."""
+    distill_advantages), added to the estimator's; with top_k, the weight of the divergence in the loss.
+    --teacher.pretrain switches it on."""
     discount: float = Field(0.0, ge=0, le=1)
     """Discount of the later tokens' terms in each token's advantage (0: each token its own)."""
+    top_k: int | None = Field(None, ge=1)
+    """Dense distillation: the teacher scores its k most likely tokens at each sampled token, and the loss
+    adds coef x the student's divergence (loss) from that distribution (the rest of the vocabulary as one
+    outcome), in place of the sampled-token advantage (GKD's on-policy variant). Unset: the advantage."""
+    loss: DistillLoss = "reverse_kl"
+    """With top_k: reverse_kl (KL(student || teacher), what the advantage estimates), forward_kl or jsd."""
+    beta: float = Field(0.5, gt=0, lt=1)
+    """jsd's teacher weight (with top_k and --algo.distill.loss jsd)."""
+
+    @model_validator(mode="after")
+    def _dense_flags(self) -> DistillConfig:
+        if {"loss", "beta"} & self.model_fields_set and self.top_k is None:
+            raise ValueError("loss, beta: used with --algo.distill.top_k only (dense distillation)")
+        if "beta" in self.model_fields_set and self.loss != "jsd":
+            raise ValueError(f"beta: used by --algo.distill.loss jsd only, not {self.loss}")
+        return self
 
 
 class AlgoConfig(Section):

@@ -12,7 +12,7 @@ from rlhf_learner import StrategyOptions
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.algo import AlgoConfig
 from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig, TeacherConfig
-from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, VLM_DEMO_DEFAULTS, fill_unset, model_positions
+from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, demo_defaults, fill_unset, model_positions
 from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
 from rlhf_cli.config.run import (
     CkptConfig,
@@ -83,8 +83,7 @@ class PPOConfig(Section):
 
     @property
     def distills(self) -> bool:
-        """A teacher scores the samples (--teacher.pretrain, or the demo's): on-policy distillation's
-        advantage is added."""
+        """A teacher scores the samples (--teacher.pretrain, or the demo's): on-policy distillation runs."""
         return self.teacher.pretrain is not None or self.demo_teacher
 
     @property
@@ -211,10 +210,10 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _real_model_defaults(self) -> PPOConfig:
-        """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS`` (the image
-        demo, ``--train.demo_model vlm``, its ``VLM_DEMO_DEFAULTS``)."""
+        """With --actor.pretrain, the settings the user left unset take ``REAL_MODEL_DEFAULTS`` (a built-in
+        demo's: ``demo_defaults``)."""
         if self.actor.pretrain is None:
-            fill_unset(self, VLM_DEMO_DEFAULTS if self.train.demo_model == "vlm" else {})
+            fill_unset(self, demo_defaults(self.train.demo_model, distillation=self.demo_teacher))
             return self
         positions = model_positions(self.actor.pretrain)
         for path, value in REAL_MODEL_DEFAULTS.items():
@@ -343,6 +342,8 @@ class PPOConfig(Section):
                 "--algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain "
                 "(only the built-in demo, with no model given, trains its own)"
             )
+        if self.algo.distill.top_k is not None and not self.distills:
+            raise ValueError("--algo.distill.top_k: dense distillation needs a teacher (--teacher.pretrain)")
         if (
             self.data.path is not None
             and self.rewarded

@@ -67,6 +67,8 @@ class Sample:
     ref_logp: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None
     """The distillation teacher's log-probs of the sampled tokens (``--teacher.pretrain``)."""
+    teacher_top: TeacherTargets | None = None
+    """Dense distillation (``--algo.distill.top_k``): the teacher's top k at each sampled token."""
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -163,11 +165,12 @@ def _sample_rows(
 
 def _sample_layout(samples: Sequence[Sample], per_token: dict[str, str], *, packing: bool, what: str) -> Rows:
     images = [s.images for s in samples]
+    where = _target_rows([s.action_mask for s in samples]) if "target_row" in per_token else []
     seqs = []
-    for s in samples:
+    for i, s in enumerate(samples):
         d = {"input_ids": s.token_ids}
         for out_name, attr in per_token.items():
-            value = getattr(s, attr)
+            value = where[i] if out_name == "target_row" else getattr(s, attr)
             if value is None:
                 raise ValueError(f"{what}: sample has no {attr}")
             d[out_name] = value
@@ -195,8 +198,44 @@ def policy_rows(
         per_token["ref_logp"] = "ref_logp"
     if with_rollout:
         per_token["rollout_logp"] = "rollout_logp"
-    rows = _sample_layout(samples, per_token, packing=packing, what="policy_batch")
-    return PolicyBatch(**rows.tensors), rows.placement
+    targets = [s.teacher_top for s in samples]
+    if all(t is None for t in targets):
+        rows = _sample_layout(samples, per_token, packing=packing, what="policy_batch")
+        return PolicyBatch(**rows.tensors), rows.placement
+    if any(t is None for t in targets):
+        raise ValueError("policy_batch: some samples have teacher targets (teacher_top), others not")
+    rows = _sample_layout(samples, per_token | {"target_row": ""}, packing=packing, what="policy_batch")
+    tensors = dict(rows.tensors)
+    order = tensors.pop("target_row")[tensors["action_mask"].bool()]
+    logp, ids = _targets_in_order(targets, [s.action_mask for s in samples], order)  # type: ignore[arg-type]
+    return PolicyBatch(**tensors, teacher_logp=logp, teacher_ids=ids), rows.placement
+
+
+def _target_rows(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sequence ``[T]``: the index of each ``mask`` token among all the sequences' (-1 elsewhere), so
+    that a layout that moves the sequences can put their per-token targets in its row-major order."""
+    out, offset = [], 0
+    for mask in masks:
+        m = mask.bool()
+        at = torch.full(m.shape, -1, dtype=torch.long)
+        at[m] = torch.arange(offset, offset + int(m.sum()))
+        out.append(at)
+        offset += int(m.sum())
+    return out
+
+
+def _targets_in_order(
+    targets: Sequence[TeacherTargets], masks: Sequence[torch.Tensor], order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The targets' ``(logp, ids)`` rows in ``order`` (``_target_rows``' indices as the layout holds
+    them), checked one row per ``masks`` token."""
+    for i, (t, m) in enumerate(zip(targets, masks, strict=True)):
+        if t.logp.shape[0] != int(m.bool().sum()):
+            raise ValueError(
+                f"teacher targets of sequence {i}: {t.logp.shape[0]} rows for its {int(m.bool().sum())} "
+                "target tokens"
+            )
+    return torch.cat([t.logp for t in targets])[order], torch.cat([t.ids for t in targets])[order]
 
 
 def value_batch(samples: Sequence[Sample], *, packing: bool) -> ValueBatch:
@@ -261,6 +300,8 @@ class TeacherTargets:
     """``[n, K]`` log-probs of ``ids``: the teacher's top k, or the whole vocabulary."""
     ids: torch.Tensor
     """``[n, K]`` token ids (int32)."""
+    token_logp: torch.Tensor | None = None
+    """``[T]`` the teacher's log-probs of the sequence's own tokens (on-policy distillation), or None."""
 
 
 def distill_batch(
@@ -272,23 +313,15 @@ def distill_batch(
 ) -> tuple[DistillBatch, Rows]:
     """The micro-batch of ``distill_step`` (and where each sequence's tokens went): the sequences' rows,
     and their teacher targets in the rows' order of target tokens (packing may move the sequences)."""
-    seqs, offset = [], 0
-    for i, (ids, mask, t) in enumerate(zip(token_ids, loss_masks, targets, strict=True)):
-        m = mask.bool()
-        n = int(m.sum())
-        if t.logp.shape[0] != n:
-            raise ValueError(
-                f"teacher targets of sequence {i}: {t.logp.shape[0]} rows for its {n} target tokens"
-            )
-        at = torch.full(m.shape, -1, dtype=torch.long)
-        at[m] = torch.arange(offset, offset + n)
-        seqs.append({"input_ids": ids, "loss_mask": mask, "target_row": at})
-        offset += n
+    where = _target_rows(loss_masks)
+    seqs = [
+        {"input_ids": ids, "loss_mask": mask, "target_row": at}
+        for ids, mask, at in zip(token_ids, loss_masks, where, strict=True)
+    ]
     rows = to_rows(seqs, packing=packing)
     tensors = dict(rows.tensors)
     order = tensors.pop("target_row")[tensors["loss_mask"].bool()]
-    logp = torch.cat([t.logp for t in targets])[order]
-    ids = torch.cat([t.ids for t in targets])[order]
+    logp, ids = _targets_in_order(targets, loss_masks, order)
     return DistillBatch(**tensors, teacher_logp=logp, teacher_ids=ids), Rows(
         tensors=tensors, placement=rows.placement
     )

@@ -72,13 +72,13 @@ class DistillObjective:
         found: list[TeacherTargets] = []
         for lo in range(0, len(todo), SCORING_CHUNK):
             chunk = [items[i].example for i in todo[lo : lo + SCORING_CHUNK]]
-            found += teacher.teacher_targets(
+            found += teacher.submit_teacher_targets(
                 [e.token_ids for e in chunk],
                 [e.loss_mask for e in chunk],
                 micro_batch_size=self.cfg.train.micro_batch_size,
                 top_k=self.cfg.algo.top_k,
                 vocab=self.vocab,
-            )
+            )()
             if len(todo) > SCORING_CHUNK:
                 print(f"teacher: scored {len(found)}/{len(todo)} examples", file=sys.stderr)
         out = list(items)
@@ -152,13 +152,6 @@ def _loader(cfg: DistillConfig) -> Callable[[Path, Any, str], list]:
     return load
 
 
-def _student_vocab(groups: Groups) -> int | None:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(groups.model.spec.model_path)
-    return getattr(config.get_text_config(), "vocab_size", None)  # (a multimodal model's text part)
-
-
 def plan(cfg: DistillConfig) -> Plan:
     return offline_plan(cfg, with_ref=True, load=_loader(cfg))
 
@@ -169,6 +162,6 @@ def run(cfg: DistillConfig) -> OfflineResult:
         role="actor",
         builtin="sft",
         load=_loader(cfg),
-        make_objective=lambda groups: DistillObjective(cfg, groups, vocab=_student_vocab(groups)),
+        make_objective=lambda groups: DistillObjective(cfg, groups, vocab=groups.model.spec.text_vocab()),
         with_ref=True,
     )

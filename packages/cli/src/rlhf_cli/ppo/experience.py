@@ -19,7 +19,7 @@ from rlhf_algos import (
     masked_mean,
     reverse_kl,
 )
-from rlhf_cli.data.batches import Sample, pad_stack
+from rlhf_cli.data.batches import Sample, TeacherTargets, pad_stack
 from rlhf_cli.ppo.settings import Batching, ExperienceSettings
 from rlhf_cli.runtime.learners.late_reference import PendingScores
 from rlhf_cli.runtime.learners.protocols import ScoringGroup
@@ -153,17 +153,61 @@ def score_reference(batching: Batching, samples: Sequence[Sample], ref: ScoringG
     return seconds
 
 
+@dataclass(frozen=True)
+class _DenseTeacher:
+    """A teacher group scoring for dense distillation (``--algo.distill.top_k``): its "forward" gives each
+    sequence's :class:`TeacherTargets`, its top k at the sampled tokens and its log-probs of every token."""
+
+    group: Any
+    masks: list[torch.Tensor]
+    top_k: int
+    vocab: int | None
+    """The student's vocabulary (a teacher's padded embedding is cut to it)."""
+
+    def submit_forward(self, seqs: list, *, micro_batch_size: int, packing: bool) -> Any:
+        del packing  # (the teacher's rows hold one sequence each: its targets come in sequence order)
+        return self.group.submit_teacher_targets(
+            seqs,
+            self.masks,
+            micro_batch_size=micro_batch_size,
+            top_k=self.top_k,
+            vocab=self.vocab,
+            token_logp=True,
+        )
+
+    def forward(self, seqs: list, *, micro_batch_size: int, packing: bool) -> list[TeacherTargets]:
+        return self.submit_forward(seqs, micro_batch_size=micro_batch_size, packing=packing)()
+
+
+def _teacher_scorer(
+    settings: ExperienceSettings,
+    samples: Sequence[Sample],
+    *,
+    actor: ScoringGroup,
+    ref: ScoringGroup | None,
+    teacher: ScoringGroup | None,
+) -> Any:
+    """What scores the samples for the teacher: its group (None when it is the reference group, whose
+    one forward serves both), or for dense distillation :class:`_DenseTeacher`."""
+    if teacher is None or settings.distill_top_k is None:
+        return teacher if teacher is not ref else None
+    masks = [s.action_mask for s in samples]
+    return _DenseTeacher(teacher, masks, top_k=settings.distill_top_k, vocab=actor.spec.text_vocab())
+
+
 def _fill(samples: Sequence[Sample], scores: list[list | None], *, teacher_is_ref: bool) -> None:
     """Each sample's old-policy, reference, critic and teacher scores (``_scores``' order)."""
-    old, ref_logp, values, teacher_logp = scores
+    old, ref_logp, values, teacher = scores
     for i, s in enumerate(samples):
         s.old_logp = old[i] if old is not None else None
         if ref_logp is not None:
             s.ref_logp = ref_logp[i]
         if values is not None:
             s.values = values[i]
-        if teacher_logp is not None or teacher_is_ref:
-            s.teacher_logp = s.ref_logp if teacher_is_ref else teacher_logp[i]
+        if teacher is not None and isinstance(teacher[i], TeacherTargets):
+            s.teacher_top, s.teacher_logp = teacher[i], teacher[i].token_logp
+        elif teacher is not None or teacher_is_ref:
+            s.teacher_logp = s.ref_logp if teacher_is_ref else teacher[i]
 
 
 def _distilled(
@@ -179,6 +223,8 @@ def _distilled(
     if old is None:
         raise ValueError("on-policy distillation needs the old-policy forward (settings.on_policy is set)")
     teacher = pad_stack([s.teacher_logp for s in samples])
+    if settings.distill_top_k is not None:  # dense: the update's loss holds the teacher's term
+        return adv, float(reverse_kl(old, teacher, mask))
     extra = distill_advantages(old, teacher, mask, discount=settings.distill_discount)
     return adv + settings.distill_coef * extra, float(reverse_kl(old, teacher, mask))
 
@@ -206,7 +252,7 @@ def make_experience(
     b = settings.batching
     if ref is not None and not scored and settings.overlap_reference:
         pending = ref.start_forward(seqs, micro_batch_size=b.micro_batch_size, packing=b.packing)
-    own_teacher = teacher if teacher is not ref else None  # the reference group, scoring once for both
+    own_teacher = _teacher_scorer(settings, samples, actor=actor, ref=ref, teacher=teacher)
     old_policy = None if settings.on_policy else actor
     groups = (old_policy, None if scored or pending is not None else ref, critic, own_teacher)
     scores = _scores(groups, seqs, b, concurrent=concurrent)

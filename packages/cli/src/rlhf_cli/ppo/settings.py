@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlhf_algos import ADVANTAGE_ESTIMATORS
-from rlhf_cli.runtime.learners.specs import PolicyLossSettings
+from rlhf_cli.runtime.learners.specs import DistillSettings, PolicyLossSettings
 from rlhf_rollout import SamplingParams
 
 if TYPE_CHECKING:  # the builders read a configuration; the stages that take these records never import one
@@ -62,6 +62,9 @@ class ExperienceSettings:
     distill_coef: float = 0.0
     """Weight of on-policy distillation's advantage (with a teacher: ``--algo.distill.coef``)."""
     distill_discount: float = 0.0
+    distill_top_k: int | None = None
+    """Dense distillation: the teacher's top k at each sampled token go to the update's loss
+    (``--algo.distill.top_k``); None: its sampled-token advantage."""
 
     @classmethod
     def of(cls, cfg: PPOConfig) -> ExperienceSettings:
@@ -80,6 +83,7 @@ class ExperienceSettings:
             engine_logprobs=cfg.rollout.logprobs,
             distill_coef=a.distill.coef if cfg.distills else 0.0,
             distill_discount=a.distill.discount,
+            distill_top_k=a.distill.top_k if cfg.distills else None,
         )
 
 
@@ -120,6 +124,10 @@ class UpdateSettings:
             is_low=a.is_correction.low,
             is_high=a.is_correction.high,
             aux_loss_coef=cfg.actor.aux_loss_coef,
+            distill=DistillSettings(loss=a.distill.loss, beta=a.distill.beta)
+            if cfg.distills and a.distill.top_k is not None
+            else None,
+            distill_coef=a.distill.coef,
         )
         return cls(
             batching=Batching.of(cfg),

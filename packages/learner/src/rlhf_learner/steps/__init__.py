@@ -24,7 +24,7 @@ from rlhf_learner.steps.batches import (
     SFTBatch,
     ValueBatch,
 )
-from rlhf_learner.steps.distill import distill_divergences, distill_step, teacher_distributions
+from rlhf_learner.steps.distill import distill_divergences, distill_step, teacher_distributions, top_tokens
 from rlhf_learner.steps.losses import (
     AggregateFn,
     DivergenceFn,
@@ -81,4 +81,5 @@ __all__ = [
     "sequence_logp",
     "sft_step",
     "teacher_distributions",
+    "top_tokens",
 ]

@@ -132,6 +132,19 @@ class PolicyBatch(ModelRows):
     """Reference log-probs (for a KL loss)."""
     rollout_logp: torch.Tensor | None = None
     """The sampling engine's log-probs (for importance-sampling correction)."""
+    teacher_logp: torch.Tensor | None = None
+    """Dense on-policy distillation: ``[N, K]`` a teacher's log-probs of ``teacher_ids`` where each of the
+    ``N`` action tokens (row-major) was predicted (its top k, or the whole vocabulary)."""
+    teacher_ids: torch.Tensor | None = None
+    """``[N, K]`` the token ids they are of."""
+
+    per_row: ClassVar[tuple[str, ...]] = ("teacher_logp", "teacher_ids")
+
+    def _check_rows(self) -> None:
+        if (self.teacher_logp is None) != (self.teacher_ids is None):
+            raise ValueError("PolicyBatch.teacher_logp and teacher_ids: give both or neither")
+        if self.teacher_logp is not None:
+            _check_targets(self, self.action_mask)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -217,10 +230,15 @@ class DistillBatch(ModelRows):
     per_row: ClassVar[tuple[str, ...]] = ("teacher_logp", "teacher_ids")
 
     def _check_rows(self) -> None:
-        n = int(self.loss_mask.bool().sum())
-        lp, ids = self.teacher_logp, self.teacher_ids
-        if lp.dim() != 2 or lp.shape[0] != n or tuple(ids.shape) != tuple(lp.shape):
-            raise ValueError(
-                f"DistillBatch.teacher_logp / teacher_ids: shapes {tuple(lp.shape)} / {tuple(ids.shape)}, "
-                f"expected ({n}, K) each (one row per target token)"
-            )
+        _check_targets(self, self.loss_mask)
+
+
+def _check_targets(batch: ModelRows, mask: torch.Tensor) -> None:
+    """A batch's ``teacher_logp`` / ``teacher_ids``: ``[N, K]`` each, one row per ``mask`` token."""
+    n = int(mask.bool().sum())
+    lp, ids = batch.teacher_logp, batch.teacher_ids  # type: ignore[attr-defined]
+    if lp.dim() != 2 or lp.shape[0] != n or tuple(ids.shape) != tuple(lp.shape):
+        raise ValueError(
+            f"{type(batch).__name__}.teacher_logp / teacher_ids: shapes {tuple(lp.shape)} / "
+            f"{tuple(ids.shape)}, expected ({n}, K) each (one row per target token)"
+        )

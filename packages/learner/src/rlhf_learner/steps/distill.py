@@ -12,7 +12,7 @@ from rlhf_learner.steps._window import StepResult, TrainEngine, WindowCounts, ma
 from rlhf_learner.steps.batches import DistillBatch, ModelRows
 from rlhf_learner.steps.losses import DivergenceFn
 
-__all__ = ["distill_divergences", "distill_step", "teacher_distributions"]
+__all__ = ["distill_divergences", "distill_step", "teacher_distributions", "top_tokens"]
 
 
 @torch.no_grad()
@@ -25,7 +25,15 @@ def teacher_distributions(
     may be padded beyond it), renormalised over them."""
     rows = rows.to(next(model.parameters()).device)
     full = model(rows.input_ids, **rows.model_inputs(), return_vocab_logp=True).vocab_logp
-    picked = full[loss_mask.to(full.device).bool()]
+    return top_tokens(full, loss_mask, top_k=top_k, vocab=vocab)
+
+
+def top_tokens(
+    vocab_logp: torch.Tensor, loss_mask: torch.Tensor, *, top_k: int | None, vocab: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`teacher_distributions` from a forward's ``[B, T, V]`` ``vocab_logp``: ``(logp, ids)`` at
+    each ``loss_mask`` token (row-major), each ``[N, K]``."""
+    picked = vocab_logp[loss_mask.to(vocab_logp.device).bool()]
     if vocab is not None and vocab < picked.shape[-1]:
         picked = torch.log_softmax(picked[:, :vocab], dim=-1)
     if top_k is None:

@@ -17,7 +17,14 @@ from rlhf_learner.steps._window import (
     run_window,
 )
 from rlhf_learner.steps.batches import PolicyBatch, ValueBatch
-from rlhf_learner.steps.losses import AggregateFn, ISWeightsFn, KLLossFn, PolicyLossFn, ValueLossFn
+from rlhf_learner.steps.losses import (
+    AggregateFn,
+    DivergenceFn,
+    ISWeightsFn,
+    KLLossFn,
+    PolicyLossFn,
+    ValueLossFn,
+)
 
 __all__ = ["critic_step", "ppo_actor_step"]
 
@@ -34,6 +41,8 @@ def ppo_actor_step(
     is_weights_fn: ISWeightsFn | None = None,
     aux_loss_coef: float = 0.0,
     ref_logp_of: Callable[[int], torch.Tensor] | None = None,
+    distill_fn: DivergenceFn | None = None,
+    distill_coef: float = 0.0,
 ) -> StepResult:
     """One PPO policy update over a gradient-accumulation window.
 
@@ -51,12 +60,11 @@ def ppo_actor_step(
     ``aux_loss_coef * router_aux_loss`` (averaged over the window). A micro-batch without ``old_logp``
     is exactly on-policy: the current log-probs, detached, stand in. With ``rollout_logp`` the metrics
     hold ``logp_mismatch`` (mean) and ``logp_mismatch_max`` of ``|old_logp - rollout_logp|``.
+
+    Dense on-policy distillation: with ``distill_fn`` (e.g. rlhf-algos' ``token_divergence``) each action
+    token's loss adds ``distill_coef * distill_fn(student_logp, teacher_logp)`` over the micro-batch's
+    ``teacher_ids`` (the student's gathered from its whole distribution); metric ``distill``: its mean.
     """
-    if kl_coef and kl_loss_fn is None:
-        raise ValueError("kl_coef: set, but no kl_loss_fn was given")
-    _check_policy_batches(
-        micro_batches, kl_loss_fn=kl_loss_fn, is_weights_fn=is_weights_fn, late_ref=ref_logp_of is not None
-    )
     fns = _ActorLoss(
         policy_loss_fn=policy_loss_fn,
         aggregate_fn=aggregate_fn,
@@ -67,7 +75,10 @@ def ppo_actor_step(
         aux_loss_coef=aux_loss_coef,
         gas=len(micro_batches),
         ref_logp_of=ref_logp_of,
+        distill_fn=distill_fn,
+        distill_coef=distill_coef,
     )
+    _check_policy_batches(micro_batches, fns)
     position = iter(range(len(micro_batches)))  # run_window computes the micro-batches once, in order
     return run_window(
         engine,
@@ -75,7 +86,7 @@ def ppo_actor_step(
         batch_type=PolicyBatch,
         count=lambda mb: masked_counts(mb.action_mask),
         compute=lambda mb, c: _actor_micro_loss(engine, fns, mb, c, next(position)),
-        token_metrics=("policy_loss", "clip_frac", "kl", "entropy", "logp_mismatch"),
+        token_metrics=("policy_loss", "clip_frac", "kl", "entropy", "logp_mismatch", "distill"),
     )
 
 
@@ -93,22 +104,22 @@ class _ActorLoss:
     gas: int
     """Micro-batches in the window (the router auxiliary loss is averaged over them)."""
     ref_logp_of: Callable[[int], torch.Tensor] | None = None
+    distill_fn: DivergenceFn | None = None
+    distill_coef: float = 0.0
 
 
-def _check_policy_batches(
-    micro_batches: Sequence[PolicyBatch],
-    *,
-    kl_loss_fn: KLLossFn | None,
-    is_weights_fn: ISWeightsFn | None,
-    late_ref: bool,
-) -> None:
-    """Raise when a micro-batch lacks the log-probs the given KL or IS-weight function needs."""
+def _check_policy_batches(micro_batches: Sequence[PolicyBatch], fns: _ActorLoss) -> None:
+    """Raise when a micro-batch lacks the log-probs the given KL, IS-weight or distillation function needs."""
+    if fns.kl_coef and fns.kl_loss_fn is None:
+        raise ValueError("kl_coef: set, but no kl_loss_fn was given")
     for i, mb in enumerate(micro_batches):
         if not isinstance(mb, PolicyBatch):
             continue  # run_window names the wrong type
-        if kl_loss_fn is not None and mb.ref_logp is None and not late_ref:
+        if fns.distill_fn is not None and mb.teacher_ids is None:
+            raise ValueError(f"micro_batches[{i}].teacher_logp / teacher_ids: needed by distill_fn, not set")
+        if fns.kl_loss_fn is not None and mb.ref_logp is None and fns.ref_logp_of is None:
             raise ValueError(f"micro_batches[{i}].ref_logp: needed by kl_loss_fn, not set (nor ref_logp_of)")
-        if is_weights_fn is not None and mb.rollout_logp is None:
+        if fns.is_weights_fn is not None and mb.rollout_logp is None:
             raise ValueError(f"micro_batches[{i}].rollout_logp: needed by is_weights_fn, not set")
 
 
@@ -122,6 +133,7 @@ def _actor_micro_loss(
         **mb.model_inputs(),
         return_entropy=fns.entropy_coef != 0.0,
         return_aux_loss=fns.aux_loss_coef != 0.0,
+        return_vocab_logp=fns.distill_fn is not None,
     )
     old = mb.old_logp if mb.old_logp is not None else out.logp.detach()
     kw: dict[str, Any] = {}
@@ -154,6 +166,10 @@ def _actor_micro_loss(
             per_token = per_token + fns.kl_coef * kl
     if out.entropy is not None:
         metrics["entropy"] = (out.entropy * mf).sum()
+    if fns.distill_fn is not None:
+        div = _distill_divergence(fns.distill_fn, mb, out.vocab_logp)
+        metrics["distill"] = div.detach().sum()
+        per_token = per_token + fns.distill_coef * div
     loss = fns.aggregate_fn(
         per_token, mask, global_tokens=c.global_tokens, global_seqs=c.global_seqs, dp_size=c.dp_size
     )
@@ -162,6 +178,22 @@ def _actor_micro_loss(
             raise ValueError("aux_loss_coef: the model returned no router auxiliary loss")
         loss = loss + fns.aux_loss_coef * out.aux_loss / fns.gas
     return loss, metrics
+
+
+def _distill_divergence(fn: DivergenceFn, mb: PolicyBatch, vocab_logp: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` the divergence ``fn`` of the student's distribution from the teacher's at each action
+    token (0 elsewhere), the student's log-probs gathered at the teacher's tokens."""
+    assert mb.teacher_logp is not None and mb.teacher_ids is not None  # (checked before the window)
+    mask = mb.action_mask.bool()
+    if mb.teacher_ids.numel() and int(mb.teacher_ids.max()) >= vocab_logp.shape[-1]:
+        raise ValueError(
+            f"teacher_ids: token {int(mb.teacher_ids.max())} is outside the student's "
+            f"{vocab_logp.shape[-1]}-token vocabulary"
+        )
+    student = vocab_logp[mask].gather(-1, mb.teacher_ids.long())
+    out = torch.zeros(mask.shape, dtype=student.dtype, device=student.device)
+    out[mask] = fn(student, mb.teacher_logp.to(student.dtype))
+    return out
 
 
 def critic_step(

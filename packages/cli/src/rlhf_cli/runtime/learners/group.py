@@ -26,6 +26,7 @@ from rlhf_learner import (
 )
 
 from rlhf_cli.data.batches import TeacherTargets
+from rlhf_cli.data.images import ImageSequence
 from rlhf_cli.runtime.host.malloc import MALLOC_SETTINGS, malloc_env
 from rlhf_cli.runtime.host.openmp import openmp_env
 from rlhf_cli.runtime.learners.late_reference import LateReference, PendingScores
@@ -171,19 +172,21 @@ class LearnerGroup:
             masks=masks,
         )
 
-    def teacher_targets(
+    def submit_teacher_targets(
         self,
-        sequences: Sequence[torch.Tensor],
+        sequences: Sequence[torch.Tensor | ImageSequence],
         masks: Sequence[torch.Tensor],
         *,
         micro_batch_size: int,
         top_k: int | None,
         vocab: int | None,
-    ) -> list[TeacherTargets]:
-        """Per sequence (a teacher): its distributions at the ``masks`` tokens (see ``LearnerWorker``)."""
-        return self._sharded(
+        token_logp: bool = False,
+    ) -> Callable[[], list[TeacherTargets]]:
+        """Start, per sequence (a teacher), its distributions at the ``masks`` tokens (see
+        ``LearnerWorker.teacher_targets``); the returned call waits for them."""
+        return self._submit(
             lambda w, a: w.teacher_targets.remote(
-                **a, micro_batch_size=micro_batch_size, top_k=top_k, vocab=vocab
+                **a, micro_batch_size=micro_batch_size, top_k=top_k, vocab=vocab, token_logp=token_logp
             ),
             sequences=sequences,
             masks=masks,

@@ -37,6 +37,8 @@ def policy_step_args(s: PolicyLossSettings) -> dict[str, Any]:
         "entropy_coef": s.entropy_coef,
         "is_weights_fn": is_fn,
         "aux_loss_coef": s.aux_loss_coef,
+        "distill_fn": distill_divergence_fn(s.distill) if s.distill is not None else None,
+        "distill_coef": s.distill_coef,
     }
 
 

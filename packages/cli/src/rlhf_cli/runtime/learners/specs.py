@@ -48,6 +48,13 @@ class GroupSpec:
     def trained(self) -> bool:
         return self.trains if self.trains is not None else self.role in ("actor", "critic")
 
+    def text_vocab(self) -> int | None:
+        """The model's vocabulary (the size of its logits; a multimodal model's text part)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        return getattr(config.get_text_config(), "vocab_size", None)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyLossSettings:
@@ -68,6 +75,10 @@ class PolicyLossSettings:
     is_high: float
     aux_loss_coef: float = 0.0
     """Weight of a mixture-of-experts model's router auxiliary loss (0: off)."""
+    distill: DistillSettings | None = None
+    """Dense on-policy distillation's divergence from the teacher's top k (None: off)."""
+    distill_coef: float = 0.0
+    """Its weight in each action token's loss."""
 
 
 @dataclass(frozen=True, kw_only=True)

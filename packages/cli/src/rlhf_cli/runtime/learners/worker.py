@@ -23,6 +23,7 @@ from rlhf_cli.data.batches import TeacherTargets, distill_batch, to_rows
 from rlhf_cli.data.images import ImageSequence, split_sequences
 from rlhf_cli.runtime.learners import losses, tensor_wire
 from rlhf_cli.runtime.learners.late_reference import LateReference, ref_logp_of
+from rlhf_cli.runtime.learners.models import build_model
 from rlhf_cli.runtime.learners.specs import (
     DistillSettings,
     DPOSettings,
@@ -34,35 +35,7 @@ from rlhf_cli.runtime.learners.specs import (
     ValueLossSettings,
 )
 
-__all__ = ["LearnerWorker", "build_model"]
-
-
-def build_model(spec: GroupSpec, ds_config: dict, sp_group: Any = None) -> torch.nn.Module:
-    """The module of ``spec.role``: an ``Actor`` (with LoRA, or QLoRA, when set), a reference, a critic or
-    a reward model (frozen unless it trains). ``sp_group``: the rank's sequence-parallel group (actor and
-    reference only; None without sequence parallelism)."""
-    from rlhf_learner import Actor, load_causal_lm, load_critic, load_reference, load_reward_model
-
-    if spec.role == "actor":
-        lm = load_causal_lm(spec.model_path, options=spec.model, ds_config=ds_config, lora=spec.lora)
-        return Actor(
-            lm, temperature=spec.temperature, sequence_parallel_group=sp_group, compile=spec.model.compile
-        )
-    if spec.role == "ref":
-        return load_reference(
-            spec.model_path,
-            options=spec.model,
-            ds_config=ds_config,
-            temperature=spec.temperature,
-            sequence_parallel_group=sp_group,
-        )
-    if spec.role == "critic":
-        return load_critic(spec.model_path, options=spec.model, ds_config=ds_config)
-    model = load_reward_model(spec.model_path, options=spec.model, ds_config=ds_config)
-    if not spec.trained:
-        model.eval()
-        model.requires_grad_(False)
-    return model
+__all__ = ["LearnerWorker"]
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -184,27 +157,36 @@ class LearnerWorker:
     def teacher_targets(
         self,
         *,
-        sequences: list[torch.Tensor],
+        sequences: list[torch.Tensor | ImageSequence],
         masks: list[torch.Tensor],
         micro_batch_size: int,
         top_k: int | None,
         vocab: int | None,
+        token_logp: bool = False,
     ) -> list[TeacherTargets]:
         """Per sequence (a teacher): its next-token distribution at each ``masks`` token, the ``top_k``
-        most likely tokens (None: all ``vocab`` of the student's)."""
-        from rlhf_learner import ModelRows, teacher_distributions
+        most likely tokens (None: all ``vocab`` of the student's); with ``token_logp`` also the log-probs
+        of the sequence's own tokens (on-policy distillation)."""
+        from rlhf_learner import top_tokens
 
         self.engine.eval()
         out: list[TeacherTargets] = []
         for lo in range(0, len(sequences), micro_batch_size):
-            ms, ss = masks[lo : lo + micro_batch_size], sequences[lo : lo + micro_batch_size]
-            seqs = [{"input_ids": s, "loss_mask": m} for s, m in zip(ss, ms, strict=True)]
-            t = to_rows(seqs, packing=False).tensors  # row i is sequence i: targets come in sequence order
-            rows = ModelRows(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
-            logp, ids = teacher_distributions(self.engine, rows, t["loss_mask"], top_k=top_k, vocab=vocab)
+            ms = masks[lo : lo + micro_batch_size]
+            ids, images = split_sequences(sequences[lo : lo + micro_batch_size])
+            seqs = [{"input_ids": s, "loss_mask": m} for s, m in zip(ids, ms, strict=True)]
+            rows = to_rows(seqs, packing=False, images=images)  # row i is sequence i: targets in its order
+            t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
+            mask = t.pop("loss_mask")
+            res = self.engine(t.pop("input_ids"), **t, return_vocab_logp=True)
+            logp, top = top_tokens(res.vocab_logp, mask, top_k=top_k, vocab=vocab)
             counts = [int(m.bool().sum()) for m in ms]
-            for lp, ix in zip(logp.split(counts), ids.split(counts), strict=True):
-                out.append(TeacherTargets(logp=lp.float().cpu(), ids=ix.to(torch.int32).cpu()))
+            own = rows.split(res.logp) if token_logp else [None] * len(ms)
+            for lp, ix, o in zip(logp.split(counts), top.split(counts), own, strict=True):
+                kept = None if o is None else o.float().cpu()
+                out.append(
+                    TeacherTargets(logp=lp.float().cpu(), ids=ix.to(torch.int32).cpu(), token_logp=kept)
+                )
         return out
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ __all__ = [
     "check_positions",
     "check_reward_model",
     "check_same_tokens",
+    "check_top_k",
     "count_params",
     "model_shape",
     "model_sizes",
@@ -120,6 +121,20 @@ def check_positions(length: int, flag: str, models: dict[str, ModelShape | None]
                 f"{flag} {length} is longer than the {who}'s {shape.positions} positions (from its "
                 f"config.json); set {flag} {shape.positions} or less"
             )
+
+
+def check_top_k(
+    top_k: int | None, sizes: ModelSizes, flag: str = "--algo.top_k", *, sequence_parallel: int = 1
+) -> None:
+    """``--algo.top_k`` (rlhf distill), ``--algo.distill.top_k`` (rlhf ppo): at most the student's vocabulary,
+    and whole next-token distributions on each rank (not split by sequence parallelism)."""
+    if top_k is not None and top_k > sizes.actor.vocab:
+        raise ConfigError(f"{flag} {top_k}: more than the model's vocabulary of {sizes.actor.vocab} tokens")
+    if top_k is not None and sequence_parallel > 1:
+        raise ConfigError(
+            f"{flag} with --learner.sequence_parallel_size {sequence_parallel}: each rank holds a part of a "
+            "sequence, not its whole next-token distributions; set it to 1"
+        )
 
 
 def check_reward_model(path: Path | str, flag: str = "--reward.pretrain") -> None:

@@ -22,6 +22,7 @@ from rlhf_cli.runtime.plan.model_sizes import (
     ModelSizes,
     activation_bytes,
     check_positions,
+    check_top_k,
     model_sizes,
 )
 from rlhf_cli.runtime.plan.types import ClusterResources, GroupPlan, Plan, parts_note
@@ -291,7 +292,7 @@ def make_offline_plan(
     frozen = cfg.frozen_group if with_ref else None
     models = {"model": sizes.actor, "reference": getattr(sizes, frozen) if frozen else None}
     check_positions(cfg.data.max_len, "--data.max_len", models)  # type: ignore[attr-defined]
-    _check_top_k(getattr(getattr(cfg, "algo", None), "top_k", None), sizes)
+    check_top_k(getattr(getattr(cfg, "algo", None), "top_k", None), sizes)
     _check_4bit(getattr(cfg, "lora", None), "--lora.load_in_4bit", resources)
     gc = cfg.model.options.gradient_checkpointing
     gc_flag, lora = "--model.options.gradient_checkpointing", getattr(cfg, "lora", None) is not None
@@ -311,15 +312,6 @@ def make_offline_plan(
     plan = _plan(groups, resources, "none", sizes.actor.params)
     plan.notes.append(cfg.ckpt.plan_note())
     return plan
-
-
-def _check_top_k(top_k: int | None, sizes: ModelSizes) -> None:
-    """``--algo.top_k`` (rlhf distill) at most the student's vocabulary (its logits)."""
-    if top_k is not None and top_k > sizes.actor.vocab:
-        raise ConfigError(
-            f"--algo.top_k {top_k}: more than the model's vocabulary of {sizes.actor.vocab} tokens "
-            "(leave it unset for the whole distribution)"
-        )
 
 
 def _check_4bit(lora: Any, flag: str, resources: ClusterResources) -> None:
@@ -365,6 +357,8 @@ def make_plan(cfg: PPOConfig, resources: ClusterResources, *, sizes: ModelSizes 
     }
     check_positions(cfg.rollout.max_model_len, "--rollout.max_model_len", models)
     _check_4bit(cfg.actor.lora, "--actor.lora.load_in_4bit", resources)
+    dense = cfg.algo.distill.top_k if cfg.distills else None
+    check_top_k(dense, sizes, "--algo.distill.top_k", sequence_parallel=cfg.learner.sequence_parallel_size)
     gpu, per = resources.gpus > 0, _bundle(resources, cfg.ray)
     load = (cfg.rollout.max_model_len, cfg.train.micro_batch_size) if gpu else None
     keep = cfg.train.offload_during_rollout
