@@ -65,6 +65,45 @@ def test_prompt_ids_are_the_processors_own_for_messages_and_for_text(encoder):
     assert list(plain) == want["input_ids"][0]
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_sft_and_dpo_examples_hold_the_processors_ids_and_make_its_pixels_per_batch(tmp_path, model_type):
+    """An image row of rlhf sft / dpo: its ids are the processor's for the whole conversation (each image's
+    token count known from its size, no pixels made at load), its loss on the response alone; the pixels
+    are made when a batch holds it, equal to the processor's."""
+    from rlhf_cli.config.offline import PairData, SFTData
+    from rlhf_cli.data.batches import dpo_batch, sft_batch_from_examples
+    from rlhf_cli.data.examples import load_pairs, load_sft
+    from rlhf_cli.data.images import ExampleImages, ImageEncoder
+    from rlhf_cli.demo.tiny_vlm import build_tiny_vlm
+
+    encoder = ImageEncoder.for_model(build_tiny_vlm(tmp_path / "model", model_type=model_type))
+    proc = encoder.processor
+    for k, size in enumerate([(84, 84), (56, 140)]):
+        Image.new("RGB", size, (200, 30 * k, 10)).save(tmp_path / f"{k}.png")
+    row = {"prompt": "<image>and<image>: colours?", "response": " red, orange", "images": ["0.png", "1.png"]}
+    (ex,) = load_sft(_write(tmp_path / "sft.jsonl", [row]), proc.tokenizer, SFTData(), encoder=encoder)
+    assert isinstance(ex.images, ExampleImages) and not any(
+        isinstance(v, torch.Tensor) and v.is_floating_point() for v in vars(ex.images).values()
+    )  # the pixels are not kept
+    images = [Image.open(tmp_path / f"{k}.png").convert("RGB") for k in range(2)]
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                         {"type": "text", "text": ": colours?"}]}]  # fmt: skip
+    whole = [*user, {"role": "assistant", "content": " red, orange"}]
+    want = proc(text=[proc.apply_chat_template(whole, tokenize=False)], images=images, return_tensors="pt")
+    prompt = proc(text=[proc.apply_chat_template(user, add_generation_prompt=True)], images=images)
+    n = len(prompt["input_ids"][0])
+    got = ex.token_ids.tolist()
+    assert got[: len(want["input_ids"][0])] == want["input_ids"][0].tolist()
+    assert ex.loss_mask[:n].sum() == 0 and ex.loss_mask[n:].all()
+    batch = sft_batch_from_examples([ex], packing=True)
+    torch.testing.assert_close(batch.pixel_values, want["pixel_values"])
+    assert torch.equal(batch.image_grid_thw, want["image_grid_thw"])
+    pair = {"prompt": row["prompt"], "chosen": " red", "rejected": " blue", "images": row["images"]}
+    (p,) = load_pairs(_write(tmp_path / "dpo.jsonl", [pair]), proc.tokenizer, PairData(), encoder=encoder)
+    rows = dpo_batch([p], ref_logp=torch.zeros(2))
+    torch.testing.assert_close(rows.pixel_values, torch.cat([want["pixel_values"]] * 2))
+
+
 def test_images_are_read_from_paths_data_uris_and_datasets_folders(tmp_path, vlm_dir):
     import datasets
     from rlhf_cli.data.prompts import load_records

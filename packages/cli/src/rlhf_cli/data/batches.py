@@ -259,7 +259,7 @@ def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, tor
     return to_rows(
         [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples],
         packing=packing,
-        images=[e.images for e in examples],
+        images=[e.images.inputs() if e.images is not None else None for e in examples],  # pixels made now
     ).tensors
 
 

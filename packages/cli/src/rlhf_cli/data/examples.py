@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from rlhf_cli.config.offline import ExampleData, KTOData, PairData, SFTData
-from rlhf_cli.data.images import ImageEncoder, ImageInputs, ImageSequence
+from rlhf_cli.data.images import ExampleImages, ImageEncoder, ImageSequence
 from rlhf_cli.data.prompts import PromptCursor, encode_prompt, prompt_row_images, read_rows, seeded_order
 
 __all__ = [
@@ -48,8 +48,8 @@ class Example:
     """``[T]`` prompt then response (ending with EOS)."""
     loss_mask: torch.Tensor
     """``[T]`` True on the tokens trained on: the response (or every token after the first)."""
-    images: ImageInputs | None = None
-    """The pixels of the images whose tokens ``token_ids`` holds (vision-language models)."""
+    images: ExampleImages | None = None
+    """The images whose tokens ``token_ids`` holds (vision-language models); pixels made per batch."""
 
     @property
     def length(self) -> int:
@@ -58,7 +58,7 @@ class Example:
     @property
     def scored(self) -> torch.Tensor | ImageSequence:
         """What a group's forward scores: the token ids, with the images when there are some."""
-        return self.token_ids if self.images is None else ImageSequence(self.token_ids, self.images)
+        return self.token_ids if self.images is None else ImageSequence(self.token_ids, self.images.inputs())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from rlhf_rollout import ImagePrompt
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "ExampleImages",
     "ImageEncoder",
     "ImageInputs",
     "ImageSequence",
@@ -65,6 +66,27 @@ class ImageInputs:
         ``mm_token_type_ids`` (1 on each row's image tokens)."""
         kinds = torch.stack([ImageInputs.kinds(item, width) for item in items])
         return ImageInputs.pixels(items) | {"mm_token_type_ids": kinds}
+
+
+@dataclass(frozen=True, eq=False)
+class ExampleImages:
+    """A training example's images (``rlhf sft``, ``dpo``), kept decoded: their pixels are made when a batch
+    holds the example (:meth:`inputs`), so a data set's pixels are never all in memory at once."""
+
+    images: tuple[Any, ...]
+    positions: torch.Tensor
+    """Where the images' tokens are in the example's ``token_ids``."""
+    encoder: ImageEncoder
+    """The processor that makes the pixels."""
+
+    def inputs(self) -> ImageInputs:
+        """The images' :class:`ImageInputs`, their pixels made now."""
+        pixel_values, grid = self.encoder.pixels(self.images)
+        if int(grid.prod(-1).sum()) // self.encoder.merge**2 != self.positions.numel():
+            raise ValueError(
+                f"the images take other token counts than the {self.positions.numel()} they were given"
+            )
+        return ImageInputs(pixel_values=pixel_values, image_grid_thw=grid, positions=self.positions)
 
 
 @dataclass(frozen=True)
@@ -246,11 +268,35 @@ class ImageEncoder:
         tokens the policy did not sample (``sampled``: its action mask). ``pixels``: :meth:`pixels`' result
         when already made (a prompt's samples share it)."""
         pixel_values, grid = pixels if pixels is not None else self.pixels(images)
+        positions = self._positions(token_ids, sampled, int(grid.prod(-1).sum()) // self.merge**2)
+        return ImageInputs(pixel_values=pixel_values, image_grid_thw=grid, positions=positions)
+
+    def _positions(self, token_ids: torch.Tensor, sampled: torch.Tensor, want: int) -> torch.Tensor:
+        """The image tokens of a sequence (placeholder tokens not sampled), checked to be ``want``."""
         positions = ((token_ids == self.image_token_id) & ~sampled.bool()).nonzero().flatten()
-        want = int(grid.prod(-1).sum()) // self.merge**2
         if positions.numel() != want:
             raise ValueError(f"a sequence holds {positions.numel()} image tokens; its images take {want}")
-        return ImageInputs(pixel_values=pixel_values, image_grid_thw=grid, positions=positions)
+        return positions
+
+    def token_counts(self, images: Sequence[Any]) -> list[int]:
+        """Each image's token count, from its size by the processor's own resize rule (no pixels made)."""
+        ip = self.processor.image_processor
+        return [ip.get_number_of_image_patches(i.height, i.width) // self.merge**2 for i in images]
+
+    def _expanded(self, text: str, counts: Sequence[int]) -> list[int]:
+        """``text``'s ids with its k-th image token repeated ``counts[k]`` times, as the processor expands
+        it (the image token is a special token: it tokenises alone)."""
+        out: list[int] = []
+        ids = self.processor.tokenizer(text)["input_ids"]
+        if ids.count(self.image_token_id) != len(counts):
+            raise ValueError(
+                f"the rendered text holds {ids.count(self.image_token_id)} image places for {len(counts)} images"
+            )
+        k = 0
+        for t in ids:
+            out += [t] * (counts[k] if t == self.image_token_id else 1)
+            k += t == self.image_token_id
+        return out
 
     def example(
         self,
@@ -260,26 +306,33 @@ class ImageEncoder:
         *,
         train_on_prompt: bool = False,
     ) -> dict[str, Any]:
-        """``token_ids``, ``loss_mask`` and ``images`` of a training example with images: the conversation
-        rendered by the chat template, each image's placeholder expanded (the response is the last assistant
-        turn: text, or the last message of a message list)."""
+        """``token_ids``, ``loss_mask`` and ``images`` (:class:`ExampleImages`: no pixels yet) of a training
+        example with images: the conversation rendered by the chat template, each image's placeholder
+        expanded to its token count, known from the image's size (the response is the last assistant turn:
+        text, or the last message of a message list)."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
         messages += (
             list(response) if isinstance(response, list) else [{"role": "assistant", "content": response}]
         )
         if len(messages) < 2 or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
             raise ValueError("a conversation must end with a non-empty assistant message (the response)")
-        p = list(self.prompt(messages[:-1], images))
-        full = list(self.prompt(messages, images, add_generation_prompt=False))
+        counts = self.token_counts(images)
+        render = self.processor.apply_chat_template
+        p = self._expanded(
+            render(_messages(messages[:-1]), add_generation_prompt=True, tokenize=False), counts
+        )
+        full = self._expanded(
+            render(_messages(messages), add_generation_prompt=False, tokenize=False), counts
+        )
         if full[: len(p)] != p:
             raise ValueError("the chat template renders the prompt differently inside the conversation")
         eos = self.processor.tokenizer.eos_token_id
         ids = torch.tensor(full if eos in full[len(p) :] else [*full, eos], dtype=torch.long)
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[1 if train_on_prompt else len(p) :] = True
-        inputs = self.inputs(images, ids, torch.zeros_like(mask))
-        mask[inputs.positions] = False  # an image's tokens are input, never a target
-        return {"token_ids": ids, "loss_mask": mask, "images": inputs}
+        positions = self._positions(ids, torch.zeros_like(mask), sum(counts))
+        mask[positions] = False  # an image's tokens are input, never a target
+        return {"token_ids": ids, "loss_mask": mask, "images": ExampleImages(tuple(images), positions, self)}
 
     def feedback(self, text: str, images: Sequence[Any], ended_with_eos: bool) -> ImagePrompt:
         """An environment's feedback showing ``images`` (one per ``<image>`` in ``text``) as a user turn and
