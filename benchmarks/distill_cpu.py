@@ -162,6 +162,8 @@ def main() -> None:
     p.add_argument("--flags", default="[]")
     _summary.add_argument(p)
     a = p.parse_args()
+    if a.top_k == 0 and "dense" in a.students.split(","):
+        p.error("--top-k 0: the dense student would be the distill one; drop it from --students")
     if a.worker:
         run_worker(Path(a.worker), a.steps, a.every, json.loads(a.flags), Path(a.out))
         return

@@ -698,6 +698,13 @@ def test_a_teacher_is_planned_as_a_frozen_group_and_its_inputs_are_checked(tmp_p
     assert "loss, beta: used with --algo.distill.top_k only" in error_line(
         run_cli(*model, *teacher, "--algo.distill.loss", "forward_kl")
     )
+    dense = (*teacher, "--algo.distill.top_k", "8")
+    assert "beta: used by --algo.distill.loss jsd only, not reverse_kl" in error_line(
+        run_cli(*model, *dense, "--algo.distill.beta", "0.3")
+    )
+    assert "--algo.distill.discount: a term of the sampled-token advantage" in error_line(
+        run_cli(*model, *dense, "--algo.distill.discount", "0.9")
+    )
     assert error_line(run_cli(*model, *teacher, "--algo.distill.top_k", "100000")).startswith(
         "error: --algo.distill.top_k 100000: more than the model's vocabulary of"
     )
@@ -712,3 +719,12 @@ def test_a_teacher_is_planned_as_a_frozen_group_and_its_inputs_are_checked(tmp_p
     assert build_config(PPOConfig, demo).algo.distill.top_k == 16
     assert build_config(PPOConfig, [*demo, "--algo.distill.top_k", "null"]).algo.distill.top_k is None
     assert build_config(PPOConfig, ["--actor.pretrain", "m", *teacher, *demo]).algo.distill.top_k is None
+    assert build_config(PPOConfig, [*demo, "--algo.distill.loss", "jsd"]).algo.distill.loss == "jsd"
+    # a saved configuration (every value in it) loads back, dense with jsd or not
+    for flags in (
+        [],
+        ["--actor.pretrain", "m", *dense, "--algo.distill.loss", "jsd", "--algo.distill.beta", "0.3"],
+    ):
+        saved = tmp_path / "saved.yaml"
+        saved.write_text(dump_yaml(build_config(PPOConfig, flags)))
+        assert build_config(PPOConfig, [], config_file=saved) == build_config(PPOConfig, flags)

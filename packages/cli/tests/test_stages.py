@@ -13,7 +13,7 @@ import torch
 import yaml
 from rlhf_algos import AdaptiveKLController, FixedKLController, overlong_penalty
 from rlhf_cli.config import PPOConfig, build_config
-from rlhf_cli.data.batches import Sample
+from rlhf_cli.data.batches import Sample, TeacherTargets
 from rlhf_cli.data.prompts import PromptSet
 from rlhf_cli.ppo.experience import make_experience, make_kl_controller
 from rlhf_cli.ppo.rewards import RewardStage, extra_log_means
@@ -93,6 +93,21 @@ class FakeGroup:
     def submit_forward(self, sequences, *, micro_batch_size, packing):
         self.submitted = getattr(self, "submitted", 0) + 1
         out = self.forward(sequences, micro_batch_size=micro_batch_size, packing=packing)
+        return lambda: out
+
+    def submit_teacher_targets(self, sequences, masks, *, micro_batch_size, top_k, vocab, token_logp=False):
+        """A teacher's targets: at each ``masks`` token, K ids from the token's position on, their log-probs
+        from its id; the sequence's own log-probs by ``score``."""
+        self.target_calls = [
+            *getattr(self, "target_calls", []),
+            {"masks": masks, "top_k": top_k, "vocab": vocab},
+        ]
+        out = []
+        for ids, mask in zip(sequences, masks, strict=True):
+            at = mask.nonzero().flatten()
+            top = (at[:, None] + torch.arange(top_k)).to(torch.int32)
+            own = self.score(ids) if token_logp else None
+            out.append(TeacherTargets(logp=-top.float() / 10, ids=top, token_logp=own))
         return lambda: out
 
     def train_policy(self, per_rank, *, settings):
@@ -1072,3 +1087,43 @@ def test_a_teacher_adds_its_per_token_advantage_to_the_estimators(estimator):
     for a, b in zip(again.samples, exp.samples, strict=True):
         assert a.advantages.tolist() == pytest.approx(b.advantages.tolist(), abs=1e-6)
     assert "time/teacher" not in again.metrics()
+
+
+def test_dense_distillation_gives_each_sample_its_teachers_top_k_and_leaves_the_advantages():
+    """--algo.distill.top_k: the teacher's top k at each sample's policy tokens (environment tokens
+    excluded), cut to the student's vocabulary, go to the sample; the advantages are the estimator's alone
+    (the dense term is the update's loss) and the reverse KL is still logged. The reference group as the
+    teacher scores twice: its log-probs, then its targets."""
+    flags = [
+        "--rollout.batch_size",
+        "2",
+        "--rollout.n_samples_per_prompt",
+        "3",
+        "--train.micro_batch_size",
+        "2",
+    ]
+    cfg = cfg_of(*flags, "--teacher.pretrain", "t", "--algo.distill.top_k", "4")
+    settings = ExperienceSettings.of(cfg)
+    assert settings.distill_top_k == 4
+    samples, actor = make_samples(2, 3, seed=5), actor_group()
+    actor.spec.__dict__["text_vocab"] = 64  # (the student's vocabulary, read from its folder in a run)
+    teacher = FakeGroup("ref", score=lambda s: token_score(s, salt=9))
+    exp = make_experience(settings, samples, actor=actor, ref=None, critic=None, kl_coef=0.0, teacher=teacher)
+    (call,) = teacher.target_calls
+    assert (call["top_k"], call["vocab"]) == (4, 64) and not hasattr(teacher, "submitted")
+    assert [m.tolist() for m in call["masks"]] == [s.action_mask.tolist() for s in samples]
+    kl_sum, tokens = 0.0, 0
+    for s, want in zip(exp.samples, ref_group_norm_advantages(samples, 3), strict=True):
+        assert s.advantages.tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert s.teacher_top.ids[:, 0].tolist() == s.action_mask.nonzero().flatten().tolist()
+        student, teach = token_score(s.token_ids, salt=1), token_score(s.token_ids, salt=9)
+        assert torch.equal(s.teacher_logp, teach)
+        kl_sum += float(((student - teach) * s.action_mask).sum())
+        tokens += int(s.action_mask.sum())
+    assert exp.metrics()["distill/reverse_kl"] == pytest.approx(kl_sum / tokens, rel=1e-5)
+    assert "time/teacher" in exp.metrics()
+    ref = FakeGroup("ref", score=lambda s: token_score(s, salt=9))
+    again = make_experience(settings, make_samples(2, 3, seed=5), actor=actor, ref=ref, critic=None,
+                            kl_coef=0.0, teacher=ref)  # fmt: skip
+    assert len(ref.forward_calls) == 1 and len(ref.target_calls) == 1
+    assert all(s.teacher_top is not None and s.ref_logp is not None for s in again.samples)

@@ -214,3 +214,29 @@ def test_dense_targets_are_checked(dist_single, tiny_model_dir, teacher_dir):
         ValueError, match=r"micro_batches\[0\].teacher_logp / teacher_ids: needed by distill_fn"
     ):
         _ppo_dense(_engine(tiny_model_dir), [bare])
+
+
+def test_the_dense_term_adds_coef_times_its_mean_to_the_policy_loss(dist_single, tiny_model_dir, teacher_dir):
+    """With advantages, the step's loss is the policy loss plus ``distill_coef`` times the term's mean; and
+    the whole distribution the student gathers from is the one whose entry at each token is its log-prob."""
+    rows = _padded(_seqs(10))
+    batch = _policy_batch(load_reference(teacher_dir), rows, 8)
+    g = torch.Generator().manual_seed(3)
+    batch = PolicyBatch(**{**batch.__dict__, "advantages": torch.randn(batch.action_mask.shape, generator=g)})
+    step = functools.partial(
+        ppo_actor_step,
+        policy_loss_fn=policy_loss,
+        aggregate_fn=functools.partial(aggregate_loss, mode="token-mean"),
+    )
+    base = step(_engine(tiny_model_dir, sgd=True), [batch])
+    both = step(
+        _engine(tiny_model_dir, sgd=True), [batch], distill_fn=_divergence("forward_kl"), distill_coef=0.5
+    )
+    assert abs(base.loss) > 1e-3 and both.metrics["distill"] > 1e-3
+    assert both.loss == pytest.approx(base.loss + 0.5 * both.metrics["distill"], rel=1e-5)
+    with torch.no_grad():
+        out = _engine(tiny_model_dir)(
+            rows["input_ids"], attention_mask=rows["attention_mask"], return_vocab_logp=True
+        )
+    picked = out.vocab_logp.gather(-1, rows["input_ids"][..., None])[..., 0]
+    torch.testing.assert_close(picked[:, 1:], out.logp[:, 1:], atol=1e-5, rtol=0)

@@ -192,14 +192,6 @@ class DistillConfig(Section):
     beta: float = Field(0.5, gt=0, lt=1)
     """jsd's teacher weight (with top_k and --algo.distill.loss jsd)."""
 
-    @model_validator(mode="after")
-    def _dense_flags(self) -> DistillConfig:
-        if {"loss", "beta"} & self.model_fields_set and self.top_k is None:
-            raise ValueError("loss, beta: used with --algo.distill.top_k only (dense distillation)")
-        if "beta" in self.model_fields_set and self.loss != "jsd":
-            raise ValueError(f"beta: used by --algo.distill.loss jsd only, not {self.loss}")
-        return self
-
 
 class AlgoConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)

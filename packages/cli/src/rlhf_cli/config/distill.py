@@ -39,7 +39,9 @@ class DistillAlgo(Section):
 
     @model_validator(mode="after")
     def _beta_for_jsd(self) -> DistillAlgo:
-        if "beta" in self.model_fields_set and self.loss != "jsd":
+        if (
+            self.beta != type(self).model_fields["beta"].default and self.loss != "jsd"
+        ):  # (a saved config has it)
             raise ValueError(f"beta: used by --algo.loss jsd only, not {self.loss}")
         return self
 

@@ -12,6 +12,7 @@ from rlhf_learner import StrategyOptions
 from rlhf_cli.config._base import Section
 from rlhf_cli.config.algo import AlgoConfig
 from rlhf_cli.config.models import ActorConfig, CriticConfig, RefConfig, RewardConfig, TeacherConfig
+from rlhf_cli.config.ppo_checks import check_distillation, check_parallelism
 from rlhf_cli.config.real_model import REAL_MODEL_DEFAULTS, demo_defaults, fill_unset, model_positions
 from rlhf_cli.config.rollout import RolloutConfig, VLLMConfig, WeightSyncConfig
 from rlhf_cli.config.run import (
@@ -342,8 +343,6 @@ class PPOConfig(Section):
                 "--algo.advantage.estimator distill: the teacher is its signal; give --teacher.pretrain "
                 "(only the built-in demo, with no model given, trains its own)"
             )
-        if self.algo.distill.top_k is not None and not self.distills:
-            raise ValueError("--algo.distill.top_k: dense distillation needs a teacher (--teacher.pretrain)")
         if (
             self.data.path is not None
             and self.rewarded
@@ -375,26 +374,11 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _parallelism(self) -> PPOConfig:
         """Parallelism options the groups and engines can run."""
-        split = self.learner.sequence_parallel_size > 1 or self.learner.tensor_parallel_size > 1
-        if split and (self.uses_critic or self.reward.source == "model"):
-            raise ValueError(
-                "--learner.sequence_parallel_size / --learner.tensor_parallel_size apply to the actor and reference; "
-                "the critic and the reward model run neither: use an estimator without a critic and a reward "
-                "function or endpoint"
-            )
-        if self.actor.lora is not None and self.learner.tensor_parallel_size > 1:
-            raise ValueError(
-                "--actor.lora with --learner.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
-            )
-        if self.actor.lora is not None and self.learner.zero_stage == 3:
-            raise ValueError("--actor.lora with --learner.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
-        for name, group in (("actor", self.actor), ("critic", self.critic)):
-            if group.model.compile and self.learner.zero_stage == 3:
-                raise ValueError(
-                    f"--{name}.model.compile with --learner.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
-                )
-        if self.rollout.tensor_parallel_size > 1 and not self.rollout.capabilities.tensor_parallel:
-            raise ValueError(
-                f"--rollout.tensor_parallel_size > 1: --rollout.backend {self.rollout.backend} does not shard a model"
-            )
+        check_parallelism(self)
+        return self
+
+    @model_validator(mode="after")
+    def _distillation(self) -> PPOConfig:
+        """The teacher's flags, together and with a demo's defaults filled in."""
+        check_distillation(self)
         return self

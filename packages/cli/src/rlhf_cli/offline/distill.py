@@ -162,6 +162,6 @@ def run(cfg: DistillConfig) -> OfflineResult:
         role="actor",
         builtin="sft",
         load=_loader(cfg),
-        make_objective=lambda groups: DistillObjective(cfg, groups, vocab=groups.model.spec.text_vocab()),
+        make_objective=lambda groups: DistillObjective(cfg, groups, vocab=groups.model.spec.text_vocab),
         with_ref=True,
     )

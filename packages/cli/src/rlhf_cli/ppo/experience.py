@@ -22,7 +22,7 @@ from rlhf_algos import (
 from rlhf_cli.data.batches import Sample, TeacherTargets, pad_stack
 from rlhf_cli.ppo.settings import Batching, ExperienceSettings
 from rlhf_cli.runtime.learners.late_reference import PendingScores
-from rlhf_cli.runtime.learners.protocols import ScoringGroup
+from rlhf_cli.runtime.learners.protocols import ScoringGroup, TeacherGroup
 
 __all__ = ["Experience", "make_experience", "make_kl_controller", "score_reference"]
 
@@ -53,7 +53,8 @@ class Experience:
     """Seconds of the critic's forward."""
     advantages_s: float
     teacher_s: float | None = None
-    """Seconds of the teacher's forward (None: no teacher, or the reference group is the teacher)."""
+    """Seconds of the teacher's forward (None: no teacher, or the reference group is the teacher and its
+    one forward serves both; dense distillation runs a forward of its own on it)."""
     reverse_kl: float | None = None
     """On-policy distillation: the student's reverse KL to the teacher per sampled token."""
     pending_reference: PendingScores | None = None
@@ -158,13 +159,14 @@ class _DenseTeacher:
     """A teacher group scoring for dense distillation (``--algo.distill.top_k``): its "forward" gives each
     sequence's :class:`TeacherTargets`, its top k at the sampled tokens and its log-probs of every token."""
 
-    group: Any
+    group: TeacherGroup
     masks: list[torch.Tensor]
     top_k: int
     vocab: int | None
     """The student's vocabulary (a teacher's padded embedding is cut to it)."""
 
     def submit_forward(self, seqs: list, *, micro_batch_size: int, packing: bool) -> Any:
+        """Start the teacher's targets of ``seqs`` at their sampled tokens; the returned call waits."""
         del packing  # (the teacher's rows hold one sequence each: its targets come in sequence order)
         return self.group.submit_teacher_targets(
             seqs,
@@ -176,6 +178,7 @@ class _DenseTeacher:
         )
 
     def forward(self, seqs: list, *, micro_batch_size: int, packing: bool) -> list[TeacherTargets]:
+        """The teacher's targets of ``seqs``, waited for."""
         return self.submit_forward(seqs, micro_batch_size=micro_batch_size, packing=packing)()
 
 
@@ -192,7 +195,7 @@ def _teacher_scorer(
     if teacher is None or settings.distill_top_k is None:
         return teacher if teacher is not ref else None
     masks = [s.action_mask for s in samples]
-    return _DenseTeacher(teacher, masks, top_k=settings.distill_top_k, vocab=actor.spec.text_vocab())
+    return _DenseTeacher(teacher, masks, top_k=settings.distill_top_k, vocab=actor.spec.text_vocab)
 
 
 def _fill(samples: Sequence[Sample], scores: list[list | None], *, teacher_is_ref: bool) -> None:

@@ -185,7 +185,7 @@ def demo_teacher(cfg: PPOConfig) -> Path:
     estimator = cfg.algo.advantage.model_copy(update={"estimator": "group_norm"})
     teacher_cfg = cfg.model_copy(
         update={
-            "algo": cfg.algo.model_copy(update={"advantage": estimator}),
+            "algo": cfg.algo.model_copy(update={"advantage": estimator, "distill": type(cfg.algo.distill)()}),
             "train": cfg.train.model_copy(update={"demo_model": "large"}),
             "logger": cfg.logger.model_copy(update={"run_dir": run_dir, "overwrite": True}),
             "ckpt": cfg.ckpt.model_copy(update={"load_enable": False, "save_steps": 0}),

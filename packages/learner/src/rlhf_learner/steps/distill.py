@@ -12,7 +12,7 @@ from rlhf_learner.steps._window import StepResult, TrainEngine, WindowCounts, ma
 from rlhf_learner.steps.batches import DistillBatch, ModelRows
 from rlhf_learner.steps.losses import DivergenceFn
 
-__all__ = ["distill_divergences", "distill_step", "teacher_distributions", "top_tokens"]
+__all__ = ["distill_divergences", "distill_step", "student_logp_at", "teacher_distributions", "top_tokens"]
 
 
 @torch.no_grad()
@@ -53,13 +53,19 @@ def distill_divergences(
     of the teacher's K tokens, gathered from its whole distribution, against the teacher's. Also returns
     the model's output."""
     out = model(batch.input_ids, **batch.model_inputs(), return_vocab_logp=True)
-    vocab = out.vocab_logp.shape[-1]
-    if batch.teacher_ids.numel() and int(batch.teacher_ids.max()) >= vocab:
-        raise ValueError(
-            f"teacher_ids: token {int(batch.teacher_ids.max())} is outside the student's {vocab}-token vocabulary"
-        )
-    student = out.vocab_logp[batch.loss_mask.bool()].gather(-1, batch.teacher_ids.long())
+    student = student_logp_at(out.vocab_logp, batch.loss_mask, batch.teacher_ids)
     return divergence_fn(student, batch.teacher_logp.to(student.dtype)), out
+
+
+def student_logp_at(vocab_logp: torch.Tensor, mask: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` the student's log-probs of the teacher's ``[N, K]`` tokens at each ``mask`` token
+    (row-major), from its ``[B, T, V]`` distributions; a token outside its vocabulary is refused."""
+    vocab = vocab_logp.shape[-1]
+    if teacher_ids.numel() and int(teacher_ids.max()) >= vocab:
+        raise ValueError(
+            f"teacher_ids: token {int(teacher_ids.max())} is outside the student's {vocab}-token vocabulary"
+        )
+    return vocab_logp[mask.bool()].gather(-1, teacher_ids.long())
 
 
 def distill_step(

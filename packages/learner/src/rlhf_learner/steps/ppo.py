@@ -17,6 +17,7 @@ from rlhf_learner.steps._window import (
     run_window,
 )
 from rlhf_learner.steps.batches import PolicyBatch, ValueBatch
+from rlhf_learner.steps.distill import student_logp_at
 from rlhf_learner.steps.losses import (
     AggregateFn,
     DivergenceFn,
@@ -185,12 +186,7 @@ def _distill_divergence(fn: DivergenceFn, mb: PolicyBatch, vocab_logp: torch.Ten
     token (0 elsewhere), the student's log-probs gathered at the teacher's tokens."""
     assert mb.teacher_logp is not None and mb.teacher_ids is not None  # (checked before the window)
     mask = mb.action_mask.bool()
-    if mb.teacher_ids.numel() and int(mb.teacher_ids.max()) >= vocab_logp.shape[-1]:
-        raise ValueError(
-            f"teacher_ids: token {int(mb.teacher_ids.max())} is outside the student's "
-            f"{vocab_logp.shape[-1]}-token vocabulary"
-        )
-    student = vocab_logp[mask].gather(-1, mb.teacher_ids.long())
+    student = student_logp_at(vocab_logp, mask, mb.teacher_ids)
     out = torch.zeros(mask.shape, dtype=student.dtype, device=student.device)
     out[mask] = fn(student, mb.teacher_logp.to(student.dtype))
     return out

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from rlhf_learner import PolicyBatch, StepResult, ValueBatch
@@ -12,7 +12,7 @@ from rlhf_learner import PolicyBatch, StepResult, ValueBatch
 from rlhf_cli.runtime.learners.late_reference import LateReference, PendingScores
 from rlhf_cli.runtime.learners.specs import GroupSpec, PolicyLossSettings, ValueLossSettings
 
-__all__ = ["PolicyGroup", "ScoringGroup", "ValueGroup"]
+__all__ = ["PolicyGroup", "ScoringGroup", "TeacherGroup", "ValueGroup"]
 
 T = TypeVar("T")
 
@@ -39,6 +39,23 @@ class ScoringGroup(Protocol):
         self, sequences: Sequence[torch.Tensor], *, micro_batch_size: int, packing: bool
     ) -> PendingScores:
         """Start ``forward``, for another group's ranks to fetch its results."""
+        ...
+
+
+class TeacherGroup(ScoringGroup, Protocol):
+    """A distillation teacher: scores, and its top k at chosen tokens (dense distillation)."""
+
+    def submit_teacher_targets(
+        self,
+        sequences: Sequence[Any],
+        masks: Sequence[torch.Tensor],
+        *,
+        micro_batch_size: int,
+        top_k: int | None,
+        vocab: int | None,
+        token_logp: bool = False,
+    ) -> Callable[[], list[Any]]:
+        """Start each sequence's teacher targets at its ``masks`` tokens; the returned call waits for them."""
         ...
 
 

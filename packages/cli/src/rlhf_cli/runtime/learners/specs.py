@@ -3,6 +3,7 @@ the Ray boundary as itself."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,8 +49,9 @@ class GroupSpec:
     def trained(self) -> bool:
         return self.trains if self.trains is not None else self.role in ("actor", "critic")
 
+    @functools.cached_property
     def text_vocab(self) -> int | None:
-        """The model's vocabulary (the size of its logits; a multimodal model's text part)."""
+        """The model's vocabulary (the size of its logits; a multimodal model's text part), read once."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
