@@ -102,7 +102,10 @@ def test_the_distillation_demo_trains_its_teacher_then_distills_it(tmp_path, cap
     assert all("distill/reverse_kl" not in r for r in metrics(run_dir / "teacher"))  # GRPO on the reward
     rows = metrics(run_dir)
     assert len(rows) == 1 and rows[0]["distill/reverse_kl"] > 0 and rows[0]["time/teacher"] > 0
+    assert "actor/distill" in rows[0]  # the demo's default: dense, over the teacher's top 16
     assert f"pretrain: {teacher.absolute()}" in (run_dir / "config.yaml").read_text()
+    taught = build_config(PPOConfig, [], config_file=run_dir / "teacher" / "config.yaml")  # loads back
+    assert taught.algo.distill.top_k is None and not taught.distills
     # resumed at its last checkpoint: the same teacher, found, not trained again
     assert demo_teacher(build_config(PPOConfig, [*flags, "--ckpt.load_enable"])) == teacher
     assert f"distillation demo: the teacher in {teacher}" in capsys.readouterr().err

@@ -86,8 +86,8 @@ def test_sft_and_dpo_examples_hold_the_processors_ids_and_make_its_pixels_per_ba
         isinstance(v, torch.Tensor) and v.is_floating_point() for v in vars(ex.images).values()
     )  # the pixels are not kept
     images = [Image.open(tmp_path / f"{k}.png").convert("RGB") for k in range(2)]
-    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
-                                         {"type": "text", "text": ": colours?"}]}]  # fmt: skip
+    parts = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    user = [{"role": "user", "content": [*parts, {"type": "text", "text": ": colours?"}]}]
     whole = [*user, {"role": "assistant", "content": " red, orange"}]
     want = proc(text=[proc.apply_chat_template(whole, tokenize=False)], images=images, return_tensors="pt")
     prompt = proc(text=[proc.apply_chat_template(user, add_generation_prompt=True)], images=images)

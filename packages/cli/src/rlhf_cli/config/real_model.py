@@ -42,7 +42,7 @@ def demo_defaults(demo_model: str, *, distillation: bool) -> dict[str, Any]:
 
 
 def fill_unset(cfg: Any, defaults: dict[str, Any]) -> None:
-    """Set each ``section.key`` (or ``section.sub.key``) of ``defaults`` on ``cfg`` that the user left unset."""
+    """Set each ``section.key`` (or ``section.sub.key``) of ``defaults`` that the user left unset."""
     for path, value in defaults.items():
         name, *rest = path.split(".")
         section = getattr(cfg, name)

@@ -290,7 +290,7 @@ class ImageEncoder:
         ids = self.processor.tokenizer(text)["input_ids"]
         if ids.count(self.image_token_id) != len(counts):
             raise ValueError(
-                f"the rendered text holds {ids.count(self.image_token_id)} image places for {len(counts)} images"
+                f"the rendered text has {ids.count(self.image_token_id)} image places for {len(counts)} images"
             )
         k = 0
         for t in ids:
