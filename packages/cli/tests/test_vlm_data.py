@@ -100,7 +100,13 @@ def test_sft_and_dpo_examples_hold_the_processors_ids_and_make_its_pixels_per_ba
     assert torch.equal(batch.image_grid_thw, want["image_grid_thw"])
     pair = {"prompt": row["prompt"], "chosen": " red", "rejected": " blue", "images": row["images"]}
     (p,) = load_pairs(_write(tmp_path / "dpo.jsonl", [pair]), proc.tokenizer, PairData(), encoder=encoder)
+    for response in (p.chosen, p.rejected):
+        assert response.token_ids[:n].tolist() == list(prompt["input_ids"][0])
+        assert response.loss_mask[:n].sum() == 0 and response.loss_mask[n:].all()
+    made, pixels = [], encoder.pixels
+    encoder.pixels = lambda images: made.append(len(images)) or pixels(images)
     rows = dpo_batch([p], ref_logp=torch.zeros(2))
+    assert made == [2]  # once for the pair: its responses share the row's images
     torch.testing.assert_close(rows.pixel_values, torch.cat([want["pixel_values"]] * 2))
 
 

@@ -15,24 +15,27 @@ def check_parallelism(cfg: PPOConfig) -> None:
     split = cfg.learner.sequence_parallel_size > 1 or cfg.learner.tensor_parallel_size > 1
     if split and (cfg.uses_critic or cfg.reward.source == "model"):
         raise ValueError(
-            "--learner.sequence_parallel_size / --learner.tensor_parallel_size apply to the actor and reference; "
-            "the critic and the reward model run neither: use an estimator without a critic and a reward "
-            "function or endpoint"
+            "--learner.sequence_parallel_size / --learner.tensor_parallel_size apply to the actor and "
+            "reference; the critic and the reward model run neither: use an estimator without a critic and a "
+            "reward function or endpoint"
         )
     if cfg.actor.lora is not None and cfg.learner.tensor_parallel_size > 1:
         raise ValueError(
-            "--actor.lora with --learner.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA models"
+            "--actor.lora with --learner.tensor_parallel_size > 1: DeepSpeed's AutoTP does not train LoRA "
+            "models"
         )
     if cfg.actor.lora is not None and cfg.learner.zero_stage == 3:
         raise ValueError("--actor.lora with --learner.zero_stage 3: LoRA runs with ZeRO stages 0-2 here")
     for name, group in (("actor", cfg.actor), ("critic", cfg.critic)):
         if group.model.compile and cfg.learner.zero_stage == 3:
             raise ValueError(
-                f"--{name}.model.compile with --learner.zero_stage 3: torch.compile runs with ZeRO stages 0-2 here"
+                f"--{name}.model.compile with --learner.zero_stage 3: torch.compile runs with ZeRO "
+                "stages 0-2 here"
             )
     if cfg.rollout.tensor_parallel_size > 1 and not cfg.rollout.capabilities.tensor_parallel:
         raise ValueError(
-            f"--rollout.tensor_parallel_size > 1: --rollout.backend {cfg.rollout.backend} does not shard a model"
+            f"--rollout.tensor_parallel_size > 1: --rollout.backend {cfg.rollout.backend} does not shard a "
+            "model"
         )
 
 
@@ -52,5 +55,6 @@ def check_distillation(cfg: PPOConfig) -> None:
     if d.top_k is not None and d.discount:
         raise ValueError(
             "--algo.distill.discount: a term of the sampled-token advantage, which dense distillation "
-            "(--algo.distill.top_k) replaces"
+            f"(--algo.distill.top_k {d.top_k}; the distillation demo sets 16) replaces; "
+            "--algo.distill.top_k null gives the advantage"
         )

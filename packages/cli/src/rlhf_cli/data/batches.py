@@ -3,12 +3,13 @@ rlhf-learner's typed micro-batch of each update step (rows packed where the step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from rlhf_cli.data.images import ImageInputs, ImageSequence
+from rlhf_cli.data.images import ExampleImages, ImageInputs, ImageSequence
 from rlhf_learner import (
     DistillBatch,
     DPOBatch,
@@ -259,8 +260,20 @@ def example_rows(examples: Sequence[Example], *, packing: bool) -> dict[str, tor
     return to_rows(
         [{"input_ids": e.token_ids, "loss_mask": e.loss_mask} for e in examples],
         packing=packing,
-        images=[e.images.inputs() if e.images is not None else None for e in examples],  # pixels made now
+        images=_pixels_made([e.images for e in examples]),
     ).tensors
+
+
+def _pixels_made(images: Sequence[ExampleImages | None]) -> list[ImageInputs | None]:
+    """Each example's images with their pixels made now, once for examples that share their images (a
+    preference pair's two responses)."""
+    made: dict[int, ImageInputs] = {}
+    for x in images:
+        if x is not None and id(x.images) not in made:
+            made[id(x.images)] = x.inputs()
+    return [
+        None if x is None else dataclasses.replace(made[id(x.images)], positions=x.positions) for x in images
+    ]
 
 
 def _pair_rows(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:

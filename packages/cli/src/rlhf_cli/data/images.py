@@ -279,8 +279,11 @@ class ImageEncoder:
         return positions
 
     def token_counts(self, images: Sequence[Any]) -> list[int]:
-        """Each image's token count, from its size by the processor's own resize rule (no pixels made)."""
+        """Each image's token count, from its size by the processor's own resize rule (no pixels made; a
+        processor that does not resize makes them, for their grids)."""
         ip = self.processor.image_processor
+        if not getattr(ip, "do_resize", True) or not hasattr(ip, "get_number_of_image_patches"):
+            return (self.pixels(images)[1].prod(-1) // self.merge**2).tolist() if images else []
         return [ip.get_number_of_image_patches(i.height, i.width) // self.merge**2 for i in images]
 
     def _expanded(self, text: str, counts: Sequence[int]) -> list[int]:
@@ -289,9 +292,8 @@ class ImageEncoder:
         out: list[int] = []
         ids = self.processor.tokenizer(text)["input_ids"]
         if ids.count(self.image_token_id) != len(counts):
-            raise ValueError(
-                f"the rendered text has {ids.count(self.image_token_id)} image places for {len(counts)} images"
-            )
+            places = ids.count(self.image_token_id)
+            raise ValueError(f"the rendered text has {places} image places for {len(counts)} images")
         k = 0
         for t in ids:
             out += [t] * (counts[k] if t == self.image_token_id else 1)

@@ -11,6 +11,7 @@ from typing import Any
 from rlhf_cli.config import SFTConfig
 from rlhf_cli.data.batches import sft_batch_from_examples
 from rlhf_cli.data.examples import Example, load_sft
+from rlhf_cli.offline.reference import SCORING_CHUNK
 from rlhf_cli.offline.trainer import Groups, OfflineResult, offline_plan, run_command
 from rlhf_cli.runtime.plan.placement import Plan
 from rlhf_cli.runtime.runs.tracking import Display
@@ -49,10 +50,14 @@ class SFTObjective:
         }
 
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
-        """Token-mean NLL of the evaluation responses (the training loss's definition)."""
-        logp = self.groups.model.forward(
-            [e.scored for e in examples], micro_batch_size=self.cfg.train.micro_batch_size, packing=True
-        )
+        """Token-mean NLL of the evaluation responses (the training loss's definition), scored in chunks
+        of ``SCORING_CHUNK`` examples (an image example's pixels are made for its chunk)."""
+        logp: list = []
+        for lo in range(0, len(examples), SCORING_CHUNK):
+            chunk = [e.scored for e in examples[lo : lo + SCORING_CHUNK]]
+            logp += self.groups.model.forward(
+                chunk, micro_batch_size=self.cfg.train.micro_batch_size, packing=True
+            )
         nll = sum(float(-(lp * e.loss_mask).sum()) for lp, e in zip(logp, examples, strict=True))
         return {"eval/loss": nll / max(1, sum(int(e.loss_mask.sum()) for e in examples))}
 
