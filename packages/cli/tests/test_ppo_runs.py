@@ -545,22 +545,18 @@ def other_teacher(tmp_path_factory, demo_model_dir):
 DENSE = ["--algo.distill.top_k", "16"]
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sampled", "dense"])
 def test_distilling_from_a_teacher_that_is_the_student_has_nothing_to_learn(
-    tmp_path, one_engine, demo_model_dir, dense
+    tmp_path, one_engine, demo_model_dir
 ):
     """On-policy distillation alone (no reward) with the student's own weights as the teacher: the reverse
-    KL and every advantage are 0, and so is the dense term (``--algo.distill.top_k``) at the first step.
-    (Its gradient is 0 only up to rounding, the teacher scoring padded rows and the actor packed ones, and
-    Adam scales that up to a step: from the second step on the student is no longer its teacher.)"""
+    KL and every advantage are 0. (The dense term's zero at such a teacher is checked on the learner, in
+    the experience stage and at the first step of test_vlm_runs' agent run.)"""
     flags = ["--actor.pretrain", str(demo_model_dir), "--teacher.pretrain", str(demo_model_dir)]
-    flags += ["--algo.advantage.estimator", "distill", "--algo.kl.coef", "0", *(DENSE if dense else [])]
+    flags += ["--algo.advantage.estimator", "distill", "--algo.kl.coef", "0"]
     rows = check_run(ppo(tmp_path / "run", one_engine, *flags))
     for r in rows:
-        assert r["advantages/abs_mean"] < 1e-5 and r["time/teacher"] > 0, r
-        assert ("actor/distill" in r) == dense, r
-    for r in rows[:1] if dense else rows:
-        assert abs(r["distill/reverse_kl"]) < 1e-5 and abs(r.get("actor/distill", 0.0)) < 1e-5, r
+        assert abs(r["distill/reverse_kl"]) < 1e-5 and r["advantages/abs_mean"] < 1e-5, r
+        assert r["time/teacher"] > 0 and "actor/distill" not in r, r
 
 
 def exact_reverse_kl(student_dir, teacher_dir, prompts: list[list[int]]) -> float:
