@@ -92,7 +92,8 @@ def test_sft_killed_mid_checkpoint_and_at_its_rank_ends_as_an_uninterrupted_run(
     # again from its latest checkpoint; the new rank killed too, the run ends at once, naming it
     every_step = [*sft_flags, "--ckpt.save_steps", "1", "--ckpt.load_enable"]
     d = Driver("sft", [*every_step, "--train.max_restarts", "1"], address, run_dir)
-    d.wait_steps(rng.randint(int(latest[-6:]) + 1, SFT_STEPS - 4))
+    after = int(latest[-6:]) + 1  # (a checkpoint written too fast to catch is let go: a later one is)
+    d.wait_steps(rng.randint(after, max(after, SFT_STEPS - 4)))
     (rank,) = ray_workers("LearnerWorker", d.started_since_boot)
     rank.kill()
     first = time.monotonic()
