@@ -37,6 +37,7 @@ from rlhf_learner.steps import (
     ppo_actor_step,
     reward_model_step,
     sft_step,
+    student_logp_at,
     teacher_distributions,
     top_tokens,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "reward_model_step",
     "save_adapter",
     "sft_step",
+    "student_logp_at",
     "teacher_distributions",
     "top_tokens",
     "unpack",

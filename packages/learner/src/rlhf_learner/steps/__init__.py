@@ -24,7 +24,13 @@ from rlhf_learner.steps.batches import (
     SFTBatch,
     ValueBatch,
 )
-from rlhf_learner.steps.distill import distill_divergences, distill_step, teacher_distributions, top_tokens
+from rlhf_learner.steps.distill import (
+    distill_divergences,
+    distill_step,
+    student_logp_at,
+    teacher_distributions,
+    top_tokens,
+)
 from rlhf_learner.steps.losses import (
     AggregateFn,
     DivergenceFn,
@@ -80,6 +86,7 @@ __all__ = [
     "run_window",
     "sequence_logp",
     "sft_step",
+    "student_logp_at",
     "teacher_distributions",
     "top_tokens",
 ]
