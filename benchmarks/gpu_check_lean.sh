@@ -15,8 +15,10 @@
 #    device-to-device copy;
 # 4. the `gpu` tests that import neither vLLM nor Ray, each file in its own pytest process: the learner
 #    (flash-attn packing, liger-kernel, ZeRO-3 and FSDP2 in bf16 with offload and reload, ring attention,
-#    QLoRA), rlhf-weightsync's transports, and one RLHF step through the four libraries with the
-#    transformers engine receiving weights over CUDA IPC (tests/test_gpu_rlhf_step.py);
+#    QLoRA), rlhf-weightsync's transports, one RLHF step through the four libraries with the
+#    transformers engine receiving weights over CUDA IPC, on text and on image prompts with the vision
+#    tower trained (tests/test_gpu_rlhf_step.py), and the tiny vision-language model's packed rows and
+#    FSDP2 bf16 training (tests/test_gpu_vlm.py);
 # 5. prints one table (check, result, target, pass?).
 # Exit status: non-zero when the install or the import check fails, a test fails, or the benchmark
 # crashes (its target is reported, not fatal). It is sized to finish in under 8 minutes on one H100.
@@ -81,15 +83,17 @@ log="$LOG_DIR/imports.log"
 import importlib
 needed = ["torch", "transformers", "peft", "triton", "pytest", "deepspeed", "liger_kernel", "safetensors",
           "rlhf_algos", "rlhf_learner", "rlhf_weightsync", "rlhf_rollout", "rlhf_testkit.pytest_plugin",
-          "rlhf_learner.strategy.strategy", "rlhf_rollout.hf_engine", "rlhf_weightsync.module_ext"]
+          "rlhf_learner.strategy.strategy", "rlhf_rollout.hf_engine", "rlhf_weightsync.module_ext", "PIL",
+          "rlhf_cli.data.images", "rlhf_cli.demo.tiny_vlm", "rlhf_testkit.engine_process"]
 missing = []
 for name in needed:
     try:
         importlib.import_module(name)
     except Exception as err:  # what is missing, named
         missing.append(f"{name} ({type(err).__name__}: {err})")
-import torch
-print("cuda:", torch.cuda.is_available(), torch.cuda.device_count(), torch.__version__)
+import torch, transformers
+print("cuda:", torch.cuda.is_available(), torch.cuda.device_count(), "torch", torch.__version__,
+      "transformers", transformers.__version__)
 print("missing: " + "; ".join(missing) if missing else "all imported")
 raise SystemExit(1 if missing or not torch.cuda.is_available() else 0)
 PYEOF
@@ -116,6 +120,7 @@ TESTS=(
     packages/learner/tests/test_gpu.py
     packages/weightsync/tests/test_gpu.py
     tests/test_gpu_rlhf_step.py
+    tests/test_gpu_vlm.py
 )
 PLUGIN=(-p rlhf_testkit.pytest_plugin)  # the testkit's fixtures and markers, unless pip installed them
 "$PY" -c 'import importlib.metadata as m, sys; sys.exit(0 if any(e.value.startswith("rlhf_testkit") for e in m.entry_points(group="pytest11")) else 1)' 2>/dev/null && PLUGIN=()
