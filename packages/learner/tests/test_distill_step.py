@@ -105,8 +105,8 @@ def test_distill_step_moves_the_student_towards_its_teacher(dist_single, tiny_mo
 
     def held_out_divergence() -> float:
         with torch.no_grad():
-            out = engine(probe.input_ids, attention_mask=probe.attention_mask, return_vocab_logp=True)
-        student = out.vocab_logp[probe.loss_mask]
+            out = engine(probe.input_ids, attention_mask=probe.attention_mask, vocab_logp_at=probe.loss_mask)
+        student = out.vocab_logp
         return float(token_divergence(student, probe.teacher_logp, loss=loss).mean())
 
     before = held_out_divergence()
@@ -217,8 +217,7 @@ def test_dense_targets_are_checked(dist_single, tiny_model_dir, teacher_dir):
 
 
 def test_the_dense_term_adds_coef_times_its_mean_to_the_policy_loss(dist_single, tiny_model_dir, teacher_dir):
-    """With advantages, the step's loss is the policy loss plus ``distill_coef`` times the term's mean; and
-    the whole distribution the student gathers from is the one whose entry at each token is its log-prob."""
+    """With advantages, the step's loss is the policy loss plus ``distill_coef`` times the term's mean."""
     rows = _padded(_seqs(10))
     batch = _policy_batch(load_reference(teacher_dir), rows, 8)
     g = torch.Generator().manual_seed(3)
@@ -234,9 +233,33 @@ def test_the_dense_term_adds_coef_times_its_mean_to_the_policy_loss(dist_single,
     )
     assert abs(base.loss) > 1e-3 and both.metrics["distill"] > 1e-3
     assert both.loss == pytest.approx(base.loss + 0.5 * both.metrics["distill"], rel=1e-5)
+
+
+def test_the_distributions_at_the_target_tokens_are_those_of_padded_and_packed_rows(tiny_model_dir):
+    """``vocab_logp_at``: the distribution that predicted each target token (row-major), its entry at the
+    token the token's log-prob; packed rows, re-laid out narrower for the kernel, give each sequence's
+    distributions as padded rows do; a sequence's first token (no prediction) is refused."""
+    actor = load_reference(tiny_model_dir)
+    seqs = _seqs(11, lengths=(9, 4, 13, 6, 3, 5))
+    padded = _padded(seqs)
+    packed = pack_sequences(seqs, max_tokens_per_row=40)
+    t = packed.tensors
+    assert t["input_ids"].shape == (1, 40)  # one row, over twice the longest: narrowed for sdpa
     with torch.no_grad():
-        out = _engine(tiny_model_dir)(
-            rows["input_ids"], attention_mask=rows["attention_mask"], return_vocab_logp=True
+        a = actor(
+            padded["input_ids"], attention_mask=padded["attention_mask"], vocab_logp_at=padded["loss_mask"]
         )
-    picked = out.vocab_logp.gather(-1, rows["input_ids"][..., None])[..., 0]
-    torch.testing.assert_close(picked[:, 1:], out.logp[:, 1:], atol=1e-5, rtol=0)
+        b = actor(t["input_ids"], position_ids=t["position_ids"], vocab_logp_at=t["loss_mask"])
+    mask = padded["loss_mask"]
+    picked = a.vocab_logp.gather(-1, padded["input_ids"][mask][:, None])[:, 0]
+    torch.testing.assert_close(picked, a.logp[mask], atol=1e-5, rtol=0)
+    per_seq = a.vocab_logp.split([int(s["loss_mask"].sum()) for s in seqs])
+    in_rows = sorted(range(len(seqs)), key=lambda i: packed.placement[i][:2])  # packed row-major order
+    torch.testing.assert_close(b.vocab_logp, torch.cat([per_seq[i] for i in in_rows]), atol=1e-5, rtol=0)
+    first = mask.clone()
+    first[1, 0] = True
+    with pytest.raises(ValueError, match="vocab_logp_at: a sequence's first token has no prediction"):
+        actor(padded["input_ids"], attention_mask=padded["attention_mask"], vocab_logp_at=first)
+    starts = t["loss_mask"] | (t["position_ids"] == 0)
+    with pytest.raises(ValueError, match="vocab_logp_at: a sequence's first token has no prediction"):
+        actor(t["input_ids"], position_ids=t["position_ids"], vocab_logp_at=starts)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from rlhf_learner.models.layout import model_call
+from rlhf_learner.models.layout import ModelCall, model_call
 from rlhf_learner.models.loading import (
     ModelOptions,
     check_compile,
@@ -59,18 +59,26 @@ class ActorOutput(NamedTuple):
     aux_loss: torch.Tensor | None
     """The mixture-of-experts router auxiliary loss, when requested and the model has one."""
     vocab_logp: torch.Tensor | None = None
-    """``[B, T, V]``: the whole distribution that predicted token ``t`` (log-probs, float32), when
-    requested (distillation); zeros where no prediction exists."""
+    """``[N, V]``: the whole distribution (log-probs, float32) that predicted each ``vocab_logp_at`` token
+    (row-major), when requested (distillation)."""
 
 
-def _vocab_logp(logits: torch.Tensor, temperature: float, starts: torch.Tensor | None) -> torch.Tensor:
-    """``[R, L, V]`` log-softmax of the predictions, shifted onto the tokens they predict (column 0, and
-    each packed sequence's first token, have none: zeros)."""
-    z = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    out = torch.cat([z.new_zeros(z.shape[0], 1, z.shape[-1]), z], dim=1)
-    if starts is not None:
-        out = out.masked_fill((starts.to(out.device) == 0).unsqueeze(-1), 0.0)
-    return out
+def _vocab_logp_at(
+    logits: torch.Tensor, at: torch.Tensor, call: ModelCall, temperature: float
+) -> torch.Tensor:
+    """``[N, V]`` float32 log-softmax of the predictions of the ``at`` tokens (``[B, T]`` as the caller laid
+    the rows out; row-major), each the prediction made at the token before it in the kernel's layout. Only
+    these rows of the logits are normalised: nothing ``[B, T, V]`` in float32 is made."""
+    rows, width = logits.shape[:2]
+    flat = call.back(torch.arange(rows * width, device=logits.device).view(rows, width))
+    where = flat[at.to(logits.device).bool()]
+    first = where % width == 0
+    if call.starts is not None:
+        first |= call.starts.reshape(-1).to(logits.device)[where] == 0
+    if bool(first.any()):
+        raise ValueError("vocab_logp_at: a sequence's first token has no prediction")
+    picked = logits.reshape(rows * width, -1)[where - 1]
+    return torch.log_softmax(picked.float() / temperature, dim=-1)
 
 
 def load_causal_lm(
@@ -181,7 +189,7 @@ class Actor(nn.Module):
         position_ids: torch.Tensor | None = None,
         return_entropy: bool = False,
         return_aux_loss: bool = False,
-        return_vocab_logp: bool = False,
+        vocab_logp_at: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
@@ -190,8 +198,8 @@ class Actor(nn.Module):
             raise ValueError(f"input_ids: expected [batch, time], got shape {tuple(input_ids.shape)}")
         packed = position_ids  # as the caller gave them: packed rows
         position_ids = input_positions(self.config, input_ids, attention_mask, position_ids)
-        if return_vocab_logp and self.sp_group is not None:
-            raise ValueError("return_vocab_logp: not with sequence parallelism (each rank holds a chunk)")
+        if vocab_logp_at is not None and self.sp_group is not None:
+            raise ValueError("vocab_logp_at: not with sequence parallelism (each rank holds a chunk)")
         if self.sp_group is not None:
             if pixel_values is not None:
                 raise ValueError("pixel_values: image rows are not split for sequence parallelism")
@@ -221,7 +229,11 @@ class Actor(nn.Module):
         logp = back(shift_to_inputs(lp, starts))
         entropy = back(shift_to_inputs(ent, starts)) if ent is not None else None
         aux = getattr(out, "aux_loss", None) if return_aux_loss else None
-        vocab = back(_vocab_logp(out.logits, self.temperature, starts)) if return_vocab_logp else None
+        vocab = (
+            None
+            if vocab_logp_at is None
+            else _vocab_logp_at(out.logits, vocab_logp_at, call, self.temperature)
+        )
         return ActorOutput(logp, entropy, aux, vocab)
 
     def _ring_forward(

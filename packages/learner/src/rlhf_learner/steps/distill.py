@@ -24,16 +24,15 @@ def teacher_distributions(
     id order). ``vocab``: only the first ``vocab`` logits count (the student's; a teacher's embedding
     may be padded beyond it), renormalised over them."""
     rows = rows.to(next(model.parameters()).device)
-    full = model(rows.input_ids, **rows.model_inputs(), return_vocab_logp=True).vocab_logp
-    return top_tokens(full, loss_mask, top_k=top_k, vocab=vocab)
+    picked = model(rows.input_ids, **rows.model_inputs(), vocab_logp_at=loss_mask).vocab_logp
+    return top_tokens(picked, top_k=top_k, vocab=vocab)
 
 
 def top_tokens(
-    vocab_logp: torch.Tensor, loss_mask: torch.Tensor, *, top_k: int | None, vocab: int | None = None
+    picked: torch.Tensor, *, top_k: int | None, vocab: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`teacher_distributions` from a forward's ``[B, T, V]`` ``vocab_logp``: ``(logp, ids)`` at
-    each ``loss_mask`` token (row-major), each ``[N, K]``."""
-    picked = vocab_logp[loss_mask.to(vocab_logp.device).bool()]
+    """:func:`teacher_distributions` from a forward's ``[N, V]`` ``vocab_logp`` (the distributions at the
+    target tokens): ``(logp, ids)``, each ``[N, K]``."""
     if vocab is not None and vocab < picked.shape[-1]:
         picked = torch.log_softmax(picked[:, :vocab], dim=-1)
     if top_k is None:
@@ -52,20 +51,25 @@ def distill_divergences(
     or an engine wrapping one; with gradients unless the caller turns them off): the student's log-probs
     of the teacher's K tokens, gathered from its whole distribution, against the teacher's. Also returns
     the model's output."""
-    out = model(batch.input_ids, **batch.model_inputs(), return_vocab_logp=True)
-    student = student_logp_at(out.vocab_logp, batch.loss_mask, batch.teacher_ids)
+    out = model(batch.input_ids, **batch.model_inputs(), vocab_logp_at=batch.loss_mask)
+    student = student_logp_at(out.vocab_logp, batch.teacher_ids)
     return divergence_fn(student, batch.teacher_logp.to(student.dtype)), out
 
 
-def student_logp_at(vocab_logp: torch.Tensor, mask: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` the student's log-probs of the teacher's ``[N, K]`` tokens at each ``mask`` token
-    (row-major), from its ``[B, T, V]`` distributions; a token outside its vocabulary is refused."""
+def student_logp_at(vocab_logp: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` the student's log-probs of the teacher's ``[N, K]`` tokens, from its ``[N, V]``
+    distributions at the same target tokens; a token outside its vocabulary is refused."""
     vocab = vocab_logp.shape[-1]
     if teacher_ids.numel() and int(teacher_ids.max()) >= vocab:
         raise ValueError(
             f"teacher_ids: token {int(teacher_ids.max())} is outside the student's {vocab}-token vocabulary"
         )
-    return vocab_logp[mask.bool()].gather(-1, teacher_ids.long())
+    if vocab_logp.shape[0] != teacher_ids.shape[0]:
+        raise ValueError(
+            f"teacher_ids: targets for {teacher_ids.shape[0]} tokens, the student's distributions are at "
+            f"{vocab_logp.shape[0]}"
+        )
+    return vocab_logp.gather(-1, teacher_ids.long().to(vocab_logp.device))
 
 
 def distill_step(

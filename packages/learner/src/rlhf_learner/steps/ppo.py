@@ -134,7 +134,7 @@ def _actor_micro_loss(
         **mb.model_inputs(),
         return_entropy=fns.entropy_coef != 0.0,
         return_aux_loss=fns.aux_loss_coef != 0.0,
-        return_vocab_logp=fns.distill_fn is not None,
+        vocab_logp_at=mask if fns.distill_fn is not None else None,
     )
     old = mb.old_logp if mb.old_logp is not None else out.logp.detach()
     kw: dict[str, Any] = {}
@@ -183,10 +183,11 @@ def _actor_micro_loss(
 
 def _distill_divergence(fn: DivergenceFn, mb: PolicyBatch, vocab_logp: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` the divergence ``fn`` of the student's distribution from the teacher's at each action
-    token (0 elsewhere), the student's log-probs gathered at the teacher's tokens."""
+    token (0 elsewhere), the student's log-probs (``vocab_logp``: ``[N, V]`` at the action tokens)
+    gathered at the teacher's tokens."""
     assert mb.teacher_logp is not None and mb.teacher_ids is not None  # (checked before the window)
     mask = mb.action_mask.bool()
-    student = student_logp_at(vocab_logp, mask, mb.teacher_ids)
+    student = student_logp_at(vocab_logp, mb.teacher_ids)
     out = torch.zeros(mask.shape, dtype=student.dtype, device=student.device)
     out[mask] = fn(student, mb.teacher_logp.to(student.dtype))
     return out

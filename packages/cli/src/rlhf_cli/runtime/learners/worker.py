@@ -178,8 +178,8 @@ class LearnerWorker:
             rows = to_rows(seqs, packing=False, images=images)  # row i is sequence i: targets in its order
             t = {k: v.to(self.engine.device) for k, v in rows.tensors.items()}
             mask = t.pop("loss_mask")
-            res = self.engine(t.pop("input_ids"), **t, return_vocab_logp=True)
-            logp, top = top_tokens(res.vocab_logp, mask, top_k=top_k, vocab=vocab)
+            res = self.engine(t.pop("input_ids"), **t, vocab_logp_at=mask)
+            logp, top = top_tokens(res.vocab_logp, top_k=top_k, vocab=vocab)
             counts = [int(m.bool().sum()) for m in ms]
             own = rows.split(res.logp) if token_logp else [None] * len(ms)
             for lp, ix, o in zip(logp.split(counts), top.split(counts), own, strict=True):
