@@ -276,6 +276,23 @@ def _assert_sampled_placeholder_read_as_text(model_dir, actor, ids, images, imag
     torch.testing.assert_close(got[~sampled], want[~sampled], atol=1e-5, rtol=0)
 
 
+def test_a_sync_leaves_the_frozen_tower_out_unless_the_engines_drop_their_weights(vlm_dir):
+    """The frozen vision tower is not sent (the engines hold it from the checkpoint), except to colocated
+    engines that sleep at level 2: vLLM discards their weights, so every sync sends the tower again."""
+    from rlhf_cli.config import PPOConfig, build_config
+    from rlhf_learner.models import load_causal_lm, trained_parameters
+
+    model = load_causal_lm(vlm_dir)  # the tower frozen, as by default
+    names = {n for n, _ in model.named_parameters()}
+    tower = {n for n in names if ".visual." in f".{n}" and "merger" not in n}
+    assert tower and {n for n, _ in trained_parameters(model)} == names - tower
+    assert {n for n, _ in trained_parameters(model, with_frozen_tower=True)} == names
+    colocated = ("--train.colocate_all", "true")
+    assert build_config(PPOConfig, [*colocated, "--vllm.sleep_level", "2"]).engines_drop_weights
+    assert not build_config(PPOConfig, [*colocated, "--vllm.sleep_level", "1"]).engines_drop_weights
+    assert not build_config(PPOConfig, ["--vllm.sleep_level", "2"]).engines_drop_weights
+
+
 def test_packed_and_padded_image_rows_give_each_sequence_its_own_log_probs(encoder, actor, vlm_dir):
     """Image rows packed (several sequences in a row, the learner computing each one's M-RoPE positions) and
     padded (one sequence each) give each sequence the log-probs it has alone; a sampled placeholder token is

@@ -174,6 +174,11 @@ class PPOConfig(Section):
         return any("engines" in s for s in self.colocated)
 
     @property
+    def engines_drop_weights(self) -> bool:
+        """Colocated engines sleep at level 2 (weights discarded): every sync sends a frozen tower too."""
+        return self.colocates_engines and self.vllm.sleep_level == 2
+
+    @property
     def pins_cores(self) -> bool:
         """Engines and learner ranks on disjoint cores (``--train.pin_cores``; unset: when asynchronous)."""
         return self.train.pin_cores if self.train.pin_cores is not None else self.train.async_.enabled

@@ -237,6 +237,7 @@ def start_components(
         transport=plan.transport,
         timeout_s=cfg.weightsync.timeout_s,
         lock=replacement.lock if replacement is not None else None,
+        with_frozen_tower=cfg.engines_drop_weights,
     )
     if replacement is not None:
         replacement.sync = sync

@@ -75,11 +75,15 @@ def freeze_vision_tower(model: nn.Module) -> int:
     return frozen
 
 
-def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def trained_parameters(
+    model: nn.Module, *, with_frozen_tower: bool = False
+) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` s a weight sync sends: all of them, but for a vision-language model not the
-    frozen vision tower's (engines load it from the same checkpoint, and it never changes)."""
+    frozen vision tower's (engines load it from the same checkpoint, and it never changes), unless
+    ``with_frozen_tower``: engines that drop their weights while asleep (vLLM's sleep level 2) need it
+    again at every sync."""
     named = list(model.named_parameters())
-    if not is_vision_language(getattr(model, "config", None)):
+    if with_frozen_tower or not is_vision_language(getattr(model, "config", None)):
         return named
     return [(n, p) for n, p in named if p.requires_grad or ".visual." not in f".{n}"]
 

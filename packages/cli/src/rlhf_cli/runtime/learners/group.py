@@ -311,10 +311,11 @@ class LearnerGroup:
         with self.submitting:
             return [w.open_weight_sync.remote(transport=transport, **kw) for w in self.workers]
 
-    def start_send_weights(self, *, version: int) -> list[Any]:
+    def start_send_weights(self, *, version: int, with_frozen_tower: bool = False) -> list[Any]:
         """Refs of every rank's ``send_weights``; rank 0's resolves to the sender's ``SyncStats``."""
         with self.submitting:
-            return [w.send_weights.remote(version=version) for w in self.workers]
+            kw = dict(version=version, with_frozen_tower=with_frozen_tower)
+            return [w.send_weights.remote(**kw) for w in self.workers]
 
     def close_weight_sync(self) -> None:
         self._all(lambda w: w.close_weight_sync.remote())

@@ -40,8 +40,11 @@ class EngineWeightSync:
         transport: str,
         timeout_s: float,
         lock: contextlib.AbstractContextManager | None = None,
+        with_frozen_tower: bool = False,
     ) -> None:
         self.actor, self.engines, self.transport, self.timeout_s = actor, engines, transport, timeout_s
+        self.with_frozen_tower = with_frozen_tower
+        """Send a frozen vision tower too: the engines drop their weights while asleep (sleep level 2)."""
         self.lock = lock if lock is not None else threading.RLock()
         self.version = 0
         self._join(engines.engines)
@@ -83,7 +86,7 @@ class EngineWeightSync:
 
     def _send(self, version: int, engines: Sequence[Any]) -> Any:
         receiving = self.engines.receive_weights(timeout_s=self.timeout_s, engines=engines)
-        sending = self.actor.start_send_weights(version=version)
+        sending = self.actor.start_send_weights(version=version, with_frozen_tower=self.with_frozen_tower)
         return get_all(sending + receiving, timeout_s=self.timeout_s)[0]  # rank 0's SyncStats
 
     def rejoin(self, engines: Sequence[Any]) -> None:

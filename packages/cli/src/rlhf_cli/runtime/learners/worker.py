@@ -295,12 +295,12 @@ class LearnerWorker:
                 listener=self._reserved.pop(master_port, None),
             )
 
-    def send_weights(self, *, version: int) -> Any:
+    def send_weights(self, *, version: int, with_frozen_tower: bool = False) -> Any:
         """Ship the current policy to every engine (ZeRO-3 shards gathered bucket by bucket; LoRA
         merged first: with QLoRA each 4-bit base weight is dequantized on rank 0's GPU, the delta added,
-        and everything sent in the compute dtype, bf16; a frozen vision tower is not sent: the engines
-        hold it from the checkpoint). Collective over the group; rank 0 returns the
-        sender's ``SyncStats``, the other ranks None."""
+        and everything sent in the compute dtype, bf16; a frozen vision tower is not sent, the engines
+        hold it from the checkpoint, unless ``with_frozen_tower``: engines that drop their weights asleep).
+        Collective over the group; rank 0 returns the sender's ``SyncStats``, the other ranks None."""
         from rlhf_learner.models import trained_parameters
         from rlhf_learner.strategy import unwrap_hf_model
         from rlhf_weightsync import gather_along
@@ -318,7 +318,7 @@ class LearnerWorker:
             from rlhf_learner.strategy import mark_full_shapes
 
             mark_full_shapes(hf)  # tensor-parallel shards: their whole shapes (a gather, the first time)
-            named, gather = trained_parameters(hf), self.strategy.gather
+            named, gather = trained_parameters(hf, with_frozen_tower=with_frozen_tower), self.strategy.gather
         # in the compute dtype: an fsdp2 group keeps fp32 shards under bf16 mixed precision (half the bytes)
         wire = torch.bfloat16 if self.strategy.options.precision == "bf16" else None
         if self.rank != 0:
