@@ -42,6 +42,7 @@ BENCHES = (
     Bench("algos_gae", ("--repeats", "3", "--time-len", "1024"), 120),
     Bench("weightsync_cpu", ("--syncs", "3", "--methods", "shm,gloo,per-param openrlhf"), 300),
     Bench("learner_cpu", ("--repeats", "2"), 300),
+    Bench("distill_memory", (), 300),
     Bench("backends_cpu", ("--repeats", "2", "--model-size", "tiny"), 300),
     Bench("rollout_cpu", ("--models", "tiny", "--repeats", "3"), 300),
     Bench("profile_ppo_step", ("--models", "tiny", "--steps", "5"), 300),

@@ -2,7 +2,12 @@
 
 from rlhf_learner.models.actor import Actor, ActorOutput, load_causal_lm, load_reference
 from rlhf_learner.models.loading import ModelOptions, check_model_dir, check_sequence_length
-from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+from rlhf_learner.models.logprobs import (
+    entropy_from_logits,
+    next_token_logprobs,
+    shift_to_inputs,
+    token_logprobs,
+)
 from rlhf_learner.models.value import (
     Critic,
     RewardModel,
@@ -38,6 +43,7 @@ __all__ = [
     "load_critic",
     "load_reference",
     "load_reward_model",
+    "next_token_logprobs",
     "shift_to_inputs",
     "token_logprobs",
     "trained_parameters",

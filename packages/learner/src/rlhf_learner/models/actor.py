@@ -19,7 +19,12 @@ from rlhf_learner.models.loading import (
     zero3_construction,
     zero_stage,
 )
-from rlhf_learner.models.logprobs import entropy_from_logits, shift_to_inputs, token_logprobs
+from rlhf_learner.models.logprobs import (
+    entropy_from_logits,
+    next_token_logprobs,
+    shift_to_inputs,
+    token_logprobs,
+)
 from rlhf_learner.models.vision import (
     FROZEN_TOWER_MODULES,
     check_vision_compile,
@@ -38,16 +43,25 @@ def _per_token(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[R, L-1]`` log-probs of tokens ``1..L-1`` of each row from ``[R, L, vocab]`` logits (column ``j``
     predicts token ``j + 1``), and the entropies of those predictions when ``entropy``."""
-    z = logits[:, :-1]
-    logp = token_logprobs(z, input_ids[:, 1:], temperature=temperature)
-    return logp, entropy_from_logits(z, temperature=temperature) if entropy else None
+    logp = next_token_logprobs(logits, input_ids[:, 1:], temperature=temperature)
+    return logp, entropy_from_logits(logits[:, :-1], temperature=temperature) if entropy else None
+
+
+def _per_token_fused(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_per_token` as whole-tensor formulas, for the compiler to fuse (it makes no float32 copy)."""
+    z = logits[:, :-1].float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = (z.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - lse).to(logits.dtype)
+    return logp, entropy_from_logits(logits[:, :-1], temperature=temperature) if entropy else None
 
 
 @functools.cache
 def _compiled_per_token() -> Any:
-    """``_per_token`` compiled (at its first call); made on first use: ``torch.compile`` imports the
+    """``_per_token_fused`` compiled (at its first call); made on first use: ``torch.compile`` imports the
     compiler, seconds that a process without a compiled model need not pay."""
-    return torch.compile(_per_token, dynamic=True)
+    return torch.compile(_per_token_fused, dynamic=True)
 
 
 class ActorOutput(NamedTuple):
@@ -77,8 +91,8 @@ def _vocab_logp_at(
         first |= call.starts.reshape(-1).to(logits.device)[where] == 0
     if bool(first.any()):
         raise ValueError("vocab_logp_at: a sequence's first token has no prediction")
-    picked = logits.reshape(rows * width, -1)[where - 1]
-    return torch.log_softmax(picked.float() / temperature, dim=-1)
+    picked = logits.reshape(rows * width, -1)[where - 1].float()
+    return torch.log_softmax(picked / temperature if temperature != 1.0 else picked, dim=-1)
 
 
 def load_causal_lm(

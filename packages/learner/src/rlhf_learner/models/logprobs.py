@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["entropy_from_logits", "shift_to_inputs", "token_logprobs"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "entropy_from_logits",
+    "next_token_logprobs",
+    "shift_to_inputs",
+    "token_logprobs",
+]
+
+
+CHUNK_ELEMENTS = 1 << 25
+"""Logits normalised at once by :func:`token_logprobs` (float32: 128 MiB): ``CHUNK_ELEMENTS // vocab``
+tokens per chunk."""
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -12,15 +23,76 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
 
     ``logits``: ``[..., vocab]``; ``labels``: ``[...]`` token ids. Returns ``[...]`` in ``logits``' dtype
     (computed in float32). The temperature must match the sampler's for the log-probs to be those of
-    the sampled policy.
+    the sampled policy. Computed and differentiated a chunk of tokens at a time: see
+    :func:`next_token_logprobs`.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits shape {tuple(logits.shape[:-1])}")
-    z = logits.float() / temperature
-    picked = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    return (picked - torch.logsumexp(z, dim=-1)).to(logits.dtype)
+    rows = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 1 else logits.reshape(1, 1, -1)
+    out = next_token_logprobs(rows, labels.reshape(rows.shape[:-1]), temperature=temperature)
+    return out.reshape(labels.shape)
+
+
+def next_token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """``[R, M]`` ``log softmax(logits[r, t] / temperature)[labels[r, t]]`` for the first ``M`` positions
+    of each row of ``[R, L, vocab]`` ``logits`` (``M <= L``: position ``t`` predicts token ``t + 1``, so a
+    model's logits pair with its ids shifted by one, ``M = L - 1``), in ``logits``' dtype.
+
+    The same values as the whole ``log_softmax``, but float32 is only ever made ``chunk_tokens`` tokens at
+    a time (default: ``CHUNK_ELEMENTS // vocab``), forward and backward: the backward pass keeps the
+    logits (in their own dtype) and one log-normaliser per token, and makes the gradient
+    ``(onehot(label) - softmax(z)) * grad / temperature`` chunk by chunk, instead of several
+    ``[R, L, vocab]`` float32 tensors."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if logits.dim() != 3 or labels.dim() != 2 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"expected [R, L, V] logits and [R, M] labels, got {tuple(logits.shape)}, {tuple(labels.shape)}"
+        )
+    if labels.shape[1] > logits.shape[1]:
+        raise ValueError(
+            f"labels: {labels.shape[1]} per row, more than the logits' {logits.shape[1]} positions"
+        )
+    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    out = _NextTokenLogprobs.apply(logits, labels.long(), float(temperature), chunk)
+    return out.to(logits.dtype)
+
+
+def _spans(rows: int, width: int, chunk: int):
+    """``(row, start, end)``: every row's first ``width`` positions, ``chunk`` at a time."""
+    for r in range(rows):
+        for s in range(0, width, chunk):
+            yield r, s, min(s + chunk, width)
+
+
+class _NextTokenLogprobs(torch.autograd.Function):
+    """:func:`next_token_logprobs`' values (float32) and gradient, a chunk of tokens at a time."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk):  # type: ignore[override]
+        lse = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        out = torch.empty_like(lse)
+        for r, s, e in _spans(*labels.shape, chunk):
+            z = logits[r, s:e].float() / temperature
+            lse[r, s:e] = torch.logsumexp(z, dim=-1)
+            out[r, s:e] = z.gather(-1, labels[r, s:e, None]).squeeze(-1) - lse[r, s:e]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)  # positions past the labels' stay 0
+        for r, s, e in _spans(*labels.shape, ctx.chunk):
+            g = grad_out[r, s:e, None].float()
+            z = logits[r, s:e].float() / ctx.temperature
+            d = torch.exp(z - lse[r, s:e, None]).mul_(-g)
+            d.scatter_add_(-1, labels[r, s:e, None], g)
+            grad[r, s:e] = d.div_(ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:

@@ -314,8 +314,7 @@ class LearnerGroup:
     def start_send_weights(self, *, version: int, with_frozen_tower: bool = False) -> list[Any]:
         """Refs of every rank's ``send_weights``; rank 0's resolves to the sender's ``SyncStats``."""
         with self.submitting:
-            kw = dict(version=version, with_frozen_tower=with_frozen_tower)
-            return [w.send_weights.remote(**kw) for w in self.workers]
+            return [w.send_weights.remote(version, with_frozen_tower) for w in self.workers]
 
     def close_weight_sync(self) -> None:
         self._all(lambda w: w.close_weight_sync.remote())

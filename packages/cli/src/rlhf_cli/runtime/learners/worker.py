@@ -295,7 +295,7 @@ class LearnerWorker:
                 listener=self._reserved.pop(master_port, None),
             )
 
-    def send_weights(self, *, version: int, with_frozen_tower: bool = False) -> Any:
+    def send_weights(self, version: int, with_frozen_tower: bool = False) -> Any:
         """Ship the current policy to every engine (ZeRO-3 shards gathered bucket by bucket; LoRA
         merged first: with QLoRA each 4-bit base weight is dequantized on rank 0's GPU, the delta added,
         and everything sent in the compute dtype, bf16; a frozen vision tower is not sent, the engines
