@@ -25,7 +25,7 @@
 #
 # Environment (optional): GPU_LEAN_PYTHON (default: python3), GPU_LEAN_WHEELS (default:
 # benchmarks/gpu_wheels), GPU_LEAN_LOG_DIR (default: a new folder under $TMPDIR or /tmp),
-# GPU_LEAN_TEST_TIMEOUT=150 (seconds per test file), GPU_LEAN_WEIGHTSYNC_TIMEOUT=150.
+# GPU_LEAN_TEST_TIMEOUT=300 (seconds per test file), GPU_LEAN_WEIGHTSYNC_TIMEOUT=150.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -33,7 +33,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PY=${GPU_LEAN_PYTHON:-python3}
 WHEELS=${GPU_LEAN_WHEELS:-benchmarks/gpu_wheels}
 LOG_DIR=${GPU_LEAN_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_lean.XXXXXX")}
-T_TEST=${GPU_LEAN_TEST_TIMEOUT:-150}
+T_TEST=${GPU_LEAN_TEST_TIMEOUT:-300}
 T_WS=${GPU_LEAN_WEIGHTSYNC_TIMEOUT:-150}
 mkdir -p "$LOG_DIR" || exit 2
 SUMMARY="$LOG_DIR/summary.tsv"
@@ -84,7 +84,8 @@ import importlib
 needed = ["torch", "transformers", "peft", "triton", "pytest", "deepspeed", "liger_kernel", "safetensors",
           "rlhf_algos", "rlhf_learner", "rlhf_weightsync", "rlhf_rollout", "rlhf_testkit.pytest_plugin",
           "rlhf_learner.strategy.strategy", "rlhf_rollout.hf_engine", "rlhf_weightsync.module_ext", "PIL",
-          "rlhf_cli.data.images", "rlhf_cli.demo.tiny_vlm", "rlhf_testkit.engine_process"]
+          "rlhf_cli.data.images", "rlhf_cli.demo.tiny_vlm", "rlhf_testkit.engine_process",
+          "torchvision"]
 missing = []
 for name in needed:
     try:

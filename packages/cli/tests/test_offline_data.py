@@ -35,6 +35,10 @@ def test_sft_masks_the_response_only(tok, tmp_path):
     assert ex.loss_mask.tolist() == [False] * len(prompt) + [True] * (ex.length - len(prompt))
     (all_tokens,) = load_sft(f, tok, SFTData(train_on_prompt=True))
     assert all_tokens.loss_mask.tolist() == [False] + [True] * (ex.length - 1)
+    from rlhf_cli.data.examples import encode_example
+
+    empty = encode_example("", "7", tok, apply_chat_template=False)  # no prompt tokens: the first has
+    assert empty.loss_mask.tolist() == [False] + [True] * (empty.length - 1)  # no prediction to train
 
 
 def test_chat_conversations_train_on_the_last_assistant_message(tok, tmp_path):

@@ -38,18 +38,19 @@ def test_token_logprobs_and_entropy_match_a_reference_loop():
         token_logprobs(logits, labels, temperature=0.0)
 
 
+@pytest.mark.parametrize("chunk", [3, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_next_token_logprobs_chunk_by_chunk_give_the_whole_log_softmaxs_values_and_gradients(dtype):
-    """Chunks of 3 tokens (rows of 7 positions, 6 labelled: a row's last position predicts nothing): the
-    values and the logits' gradient are those of the whole float32 ``log_softmax``; the unlabelled
-    position gets no gradient."""
+def test_next_token_logprobs_chunk_by_chunk_give_the_whole_log_softmaxs_values_and_gradients(dtype, chunk):
+    """Chunks of 3 tokens (rows of 7 positions, 6 labelled: a row's last position predicts nothing), or of
+    13 (two whole rows at a time): the values and the logits' gradient are those of the whole float32
+    ``log_softmax``; the unlabelled position gets no gradient. Empty rows give an empty result."""
     from rlhf_learner.models import next_token_logprobs
 
     g = torch.Generator().manual_seed(2)
     logits = (3 * torch.randn(2, 7, 13, generator=g)).to(dtype).requires_grad_()
     labels = torch.randint(0, 13, (2, 6), generator=g)
     weights = torch.randn(2, 6, generator=g)
-    got = next_token_logprobs(logits, labels, temperature=0.7, chunk_tokens=3)
+    got = next_token_logprobs(logits, labels, temperature=0.7, chunk_tokens=chunk)
     (got.float() * weights).sum().backward()
     grad, logits.grad = logits.grad, None
     z = torch.log_softmax(logits[:, :-1].float() / 0.7, dim=-1)
@@ -62,6 +63,8 @@ def test_next_token_logprobs_chunk_by_chunk_give_the_whole_log_softmaxs_values_a
     assert not grad[:, -1].any()
     with pytest.raises(ValueError, match="more than the logits' 7 positions"):
         next_token_logprobs(logits, torch.zeros(2, 8, dtype=torch.long))
+    empty = token_logprobs(torch.randn(2, 0, 13), torch.zeros(2, 0, dtype=torch.long))
+    assert empty.shape == (2, 0)
 
 
 def test_actor_logp_of_padded_rows_equals_each_sequence_alone(tiny_model_dir):

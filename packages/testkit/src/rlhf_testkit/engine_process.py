@@ -41,6 +41,7 @@ class EngineProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(str(model_dir), engine_kwargs, child), daemon=True)
         self.proc.start()
+        child.close()  # the child's end lives in the child: its death ends the pipe here (EOFError)
 
     def send(self, command: str, **kwargs: Any) -> None:
         self.conn.send((command, kwargs))
@@ -49,7 +50,10 @@ class EngineProcess:
         """The answer to the last command sent; an error there is raised here."""
         if not self.conn.poll(wait_s):
             raise TimeoutError(f"the engine process did not answer in {wait_s} s")
-        out = self.conn.recv()
+        try:
+            out = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process died (exit code {self.proc.exitcode})") from None
         if isinstance(out, Exception):
             raise out
         return out

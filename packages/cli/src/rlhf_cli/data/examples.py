@@ -138,7 +138,7 @@ def encode_example(
             raise ValueError("a text response needs a prompt")
         p = encode_prompt(prompt, tokenizer, apply_chat_template=apply_chat_template)
         ids = p + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    start = 1 if train_on_prompt else len(p)
+    start = max(1, 0 if train_on_prompt else len(p))  # the first token has no prediction
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[start:] = True
     return Example(token_ids=torch.tensor(ids, dtype=torch.long), loss_mask=mask)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 __all__ = [
@@ -28,8 +30,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits shape {tuple(logits.shape[:-1])}")
-    rows = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 1 else logits.reshape(1, 1, -1)
-    out = next_token_logprobs(rows, labels.reshape(rows.shape[:-1]), temperature=temperature)
+    flat = logits.reshape(1, -1, logits.shape[-1])  # every position stands alone: one row
+    out = next_token_logprobs(flat, labels.reshape(1, -1), temperature=temperature)
     return out.reshape(labels.shape)
 
 
@@ -60,11 +62,17 @@ def next_token_logprobs(
     return out.to(logits.dtype)
 
 
-def _spans(rows: int, width: int, chunk: int):
-    """``(row, start, end)``: every row's first ``width`` positions, ``chunk`` at a time."""
+def _spans(rows: int, width: int, chunk: int) -> Iterator[tuple[slice, slice]]:
+    """``(rows, positions)`` slices covering every row's first ``width`` positions, about ``chunk`` tokens
+    each: whole rows, several at a time, when a row fits in a chunk; else a row's positions in chunks."""
+    if width <= chunk:
+        step = chunk // max(width, 1)
+        for r in range(0, rows, step):
+            yield slice(r, min(r + step, rows)), slice(0, width)
+        return
     for r in range(rows):
         for s in range(0, width, chunk):
-            yield r, s, min(s + chunk, width)
+            yield slice(r, r + 1), slice(s, min(s + chunk, width))
 
 
 class _NextTokenLogprobs(torch.autograd.Function):
@@ -74,24 +82,25 @@ class _NextTokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature, chunk):  # type: ignore[override]
         lse = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         out = torch.empty_like(lse)
-        for r, s, e in _spans(*labels.shape, chunk):
-            z = logits[r, s:e].float() / temperature
-            lse[r, s:e] = torch.logsumexp(z, dim=-1)
-            out[r, s:e] = z.gather(-1, labels[r, s:e, None]).squeeze(-1) - lse[r, s:e]
+        for r, c in _spans(*labels.shape, chunk):
+            z = logits[r, c].float() / temperature
+            lse[r, c] = torch.logsumexp(z, dim=-1)
+            out[r, c] = z.gather(-1, labels[r, c, None]).squeeze(-1) - lse[r, c]
         ctx.save_for_backward(logits, labels, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         logits, labels, lse = ctx.saved_tensors
         grad = torch.zeros_like(logits)  # positions past the labels' stay 0
-        for r, s, e in _spans(*labels.shape, ctx.chunk):
-            g = grad_out[r, s:e, None].float()
-            z = logits[r, s:e].float() / ctx.temperature
-            d = torch.exp(z - lse[r, s:e, None]).mul_(-g)
-            d.scatter_add_(-1, labels[r, s:e, None], g)
-            grad[r, s:e] = d.div_(ctx.temperature).to(grad.dtype)
+        for r, c in _spans(*labels.shape, ctx.chunk):
+            g = grad_out[r, c, None].float()
+            z = logits[r, c].float() / ctx.temperature
+            d = torch.exp(z - lse[r, c, None]).mul_(-g)
+            d.scatter_add_(-1, labels[r, c, None], g)
+            grad[r, c] = d.div_(ctx.temperature).to(grad.dtype)
         return grad, None, None, None
 
 
