@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from rlhf_testkit.net import without_rendezvous
 
 pytestmark = pytest.mark.gpu
 
@@ -102,5 +103,7 @@ def test_fsdp2_trains_the_vision_language_model_in_bf16_with_the_tower_frozen_an
         print("ok")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=without_rendezvous(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from rlhf_testkit.net import without_rendezvous
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +63,9 @@ def test_nccl_init_and_ring_flash_attention_in_a_fresh_process():
         print("ok")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=without_rendezvous(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -248,7 +251,9 @@ def test_offload_states_frees_the_gpu_and_reload_restores_training(tiny_model_di
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=without_rendezvous(), capture_output=True, text=True, timeout=300
+    )
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -285,5 +290,7 @@ def test_fsdp2_bf16_mixed_precision_cpu_offload_and_hybrid_engine_moves(tiny_mod
         print("ok")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=without_rendezvous(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
