@@ -16,7 +16,7 @@ __all__ = [
 
 
 CHUNK_ELEMENTS = 1 << 25
-"""Logits normalised at once by :func:`token_logprobs` (float32: 128 MiB): ``CHUNK_ELEMENTS // vocab``
+"""Logits normalised at once by :func:`next_token_logprobs` (float32: 128 MiB): ``CHUNK_ELEMENTS // vocab``
 tokens per chunk."""
 
 
